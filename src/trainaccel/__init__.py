@@ -1,0 +1,21 @@
+"""trainaccel: an open, PyTorch-native accelerator for distributed data-parallel training.
+
+Zero-code: `trainaccel run --nproc-per-node 8 train.py`. One line: `trainaccel.init()`.
+Importing this package is cheap and changes nothing; torch is loaded by `init()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainaccel.config import Config, ConfigError
+
+__version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "__version__", "init"]
+
+
+def init(*, start_process_group: bool = True, **options: Any) -> Config:
+    """Set trainaccel up in this worker (see `trainaccel.runtime.init`); returns the resolved config."""
+    from trainaccel.runtime import init as _init
+
+    return _init(start_process_group=start_process_group, **options)

@@ -1,0 +1,3 @@
+from trainaccel.cli import main
+
+raise SystemExit(main())

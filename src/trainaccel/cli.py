@@ -1,0 +1,49 @@
+"""The `trainaccel` command: run, info, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainaccel import __version__
+
+USAGE = """trainaccel {run,info,demo} ...
+
+  run    start a training script with trainaccel (every torchrun flag, plus
+         trainaccel options and -np/-H host lists); see `trainaccel run --help`
+  info   versions, backends, devices and the resolved configuration
+  demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        # torchrun's parser takes the rest verbatim (REMAINDER after the script).
+        from trainaccel.launch.run import main as run_main
+
+        return run_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="trainaccel", usage=USAGE)
+    parser.add_argument("--version", action="version", version=f"trainaccel {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo}")
+    commands.add_parser("run", help="start a training script (see `trainaccel run --help`)")
+    commands.add_parser("info", help="versions, backends, devices and the resolved configuration")
+    demo = commands.add_parser("demo", help="plain DDP vs trainaccel on local CPU workers")
+    from trainaccel.demo import add_arguments
+
+    add_arguments(demo)
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from trainaccel.info import main as info_main
+
+        return info_main()
+    if args.command == "demo":
+        from trainaccel.demo import main as demo_main
+
+        return demo_main(args)
+    parser.print_usage(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""One configuration for trainaccel: keyword > `trainaccel run` flag > TRAINACCEL_* env > default.
+
+`trainaccel run` passes its flags to the workers as TRAINACCEL_* variables, so a flag
+overrides whatever the environment held, and a keyword to `trainaccel.init()` overrides both.
+This module must stay free of torch so that `import trainaccel` is cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Callable
+
+ENV_PREFIX = "TRAINACCEL_"
+
+
+class ConfigError(ValueError):
+    """An option got a value it does not accept; the message is one line."""
+
+    def __init__(self, option: str, value: Any, accepted: str, source: str | None = None):
+        self.option, self.value, self.accepted, self.source = option, value, accepted, source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"invalid {option}={value!r}{where}; accepted: {accepted}")
+
+
+def _choice(*choices: str, booleans: tuple[str, str] | None = None) -> Callable[[str, Any], str]:
+    """Parser for an option that takes one of `choices` (case-insensitive)."""
+
+    accepted = ", ".join(choices)
+
+    def parse(name: str, raw: Any) -> str:
+        if isinstance(raw, bool) and booleans is not None:
+            return booleans[0] if raw else booleans[1]
+        value = str(raw).strip().lower()
+        if value not in choices:
+            raise ConfigError(name, raw, accepted)
+        return value
+
+    parse.accepted = accepted  # type: ignore[attr-defined]
+    return parse
+
+
+def _positive_float_or_unset(name: str, raw: Any) -> float | None:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(name, raw, _positive_float_or_unset.accepted) from None  # type: ignore[attr-defined]
+    if isinstance(raw, bool) or not value > 0 or value == float("inf"):
+        raise ConfigError(name, raw, _positive_float_or_unset.accepted)  # type: ignore[attr-defined]
+    return value
+
+
+_positive_float_or_unset.accepted = "a number > 0 (MiB)"  # type: ignore[attr-defined]
+
+
+def _option(default: Any, parse: Callable[[str, Any], Any], help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"parse": parse, "help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Resolved trainaccel options; construct with `Config.resolve()` to read the environment."""
+
+    compression: str = _option(
+        "none",
+        _choice("none", "fp16", "bf16"),
+        "gradient compression applied to each DDP bucket before it is reduced",
+    )
+    hierarchical: str = _option(
+        "auto",
+        _choice("auto", "on", "off", booleans=("on", "off")),
+        "two-level (intra-node, then inter-node) allreduce; auto turns it on for >1 node",
+    )
+    bucket_mb: float | None = _option(
+        None,
+        _positive_float_or_unset,
+        "DDP bucket size in MiB, used unless the script passes bucket_cap_mb (default: DDP's own)",
+    )
+    nan_check: str = _option(
+        "off",
+        _choice("off", "warn", "raise", booleans=("raise", "off")),
+        "check reduced gradients for NaN/Inf: off, warn (log the parameters) or raise",
+    )
+    log_level: str = _option(
+        "info",
+        _choice("debug", "info", "warning", "error"),
+        "level of trainaccel's own log lines",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["parse"](f.name, getattr(self, f.name)))
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @staticmethod
+    def env_name(option: str) -> str:
+        return ENV_PREFIX + option.upper()
+
+    @staticmethod
+    def flag_name(option: str) -> str:
+        return "--" + option.replace("_", "-")
+
+    @classmethod
+    def help_for(cls, option: str) -> str:
+        f = next(f for f in dataclasses.fields(cls) if f.name == option)
+        accepted = getattr(f.metadata["parse"], "accepted", "")
+        return f"{f.metadata['help']} [{accepted}]"
+
+    @classmethod
+    def resolve(
+        cls,
+        env: Mapping[str, str] | None = None,
+        flags: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Config:
+        """Merge defaults < env < flags < keywords, validating each value where it came from."""
+        env = os.environ if env is None else env
+        unknown = set(kwargs) - set(cls.option_names())
+        if unknown:
+            raise TypeError(
+                f"unknown trainaccel option(s) {sorted(unknown)}; known: {', '.join(cls.option_names())}"
+            )
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            candidates = [
+                (kwargs.get(f.name), "keyword"),
+                ((flags or {}).get(f.name), cls.flag_name(f.name)),
+                (env.get(cls.env_name(f.name)), cls.env_name(f.name)),
+            ]
+            for raw, source in candidates:
+                if raw is not None:
+                    try:
+                        values[f.name] = f.metadata["parse"](f.name, raw)
+                    except ConfigError as e:
+                        raise ConfigError(e.option, e.value, e.accepted, source) from None
+                    break
+        return cls(**values)
+
+    @classmethod
+    def unknown_env(cls, env: Mapping[str, str] | None = None) -> list[str]:
+        """TRAINACCEL_* variables that name no option (likely typos)."""
+        env = os.environ if env is None else env
+        known = {cls.env_name(n) for n in cls.option_names()}
+        return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+
+    def to_env(self) -> dict[str, str]:
+        """The TRAINACCEL_* variables that reproduce this config in another process."""
+        return {
+            self.env_name(name): "" if value is None else str(value)
+            for name, value in dataclasses.asdict(self).items()
+        }
+
+    def describe(self) -> str:
+        """One line, e.g. `compression=fp16 hierarchical=auto ...`."""
+        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())

@@ -1,0 +1,3 @@
+from trainaccel.launch.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""`trainaccel run`: every torchrun flag unchanged, plus trainaccel options and mpirun-style host lists."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from typing import Any
+
+from trainaccel.config import Config, ConfigError
+
+log = logging.getLogger("trainaccel")
+
+BOOTSTRAP_MODULE = "trainaccel.launch.bootstrap"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+class LaunchError(ValueError):
+    """A launcher argument that cannot work; the message is one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser, extended with trainaccel options and host-list flags."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "trainaccel run"
+    parser.description = (
+        "Start a distributed training script with trainaccel's acceleration, unchanged. "
+        "Takes every torchrun flag; trainaccel options may also come from TRAINACCEL_<OPTION> env."
+    )
+    options = parser.add_argument_group("trainaccel options")
+    for name in Config.option_names():
+        flags = [Config.flag_name(name)] + (["--" + name] if "_" in name else [])
+        options.add_argument(*flags, dest=f"trainaccel_{name}", metavar="VALUE", help=Config.help_for(name))
+    hosts = parser.add_argument_group("host lists (mpirun style)")
+    hosts.add_argument("-np", "--np", dest="np", type=int, help="total number of processes")
+    hosts.add_argument("-H", "--hosts", dest="hosts", help="hosts with slots, e.g. host1:8,host2:8")
+    hosts.add_argument("--hostfile", help="file of `host slots=N` lines")
+    parser.add_argument("--dry-run", "--dry_run", action="store_true", help="print the torchrun command(s) and exit")
+    parser.add_argument(
+        "--use-env",
+        "--use_env",
+        action="store_true",
+        default=True,
+        help="accepted for torch.distributed.launch users; LOCAL_RANK is always in the environment",
+    )
+    return parser
+
+
+def torchrun_flags(args: argparse.Namespace, **overrides: Any) -> list[str]:
+    """The torchrun flags that reproduce `args` (those differing from torchrun's defaults)."""
+    from torch.distributed.run import get_args_parser
+
+    values = {**vars(args), **overrides}
+    argv: list[str] = []
+    for action in get_args_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = values.get(action.dest, action.default)
+        if value == action.default and action.dest not in overrides:
+            continue
+        if action.nargs == 0:
+            if value:
+                argv.append(action.option_strings[0])
+        elif value is not None:
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            argv += [action.option_strings[0], text]
+    return argv
+
+
+def script_argv(args: argparse.Namespace) -> list[str]:
+    """What torchrun runs in each worker: the bootstrap, which calls init() then the script."""
+    if args.no_python:
+        return [args.training_script, *args.training_script_args]
+    return ["-m", BOOTSTRAP_MODULE, *(["--module"] if args.module else []), args.training_script, *args.training_script_args]
+
+
+def trainaccel_env(args: argparse.Namespace) -> dict[str, str]:
+    """Validate the options (flags over env) and return the TRAINACCEL_* env that carries them."""
+    flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
+    config = Config.resolve(flags=flags)
+    env = {k: v for k, v in os.environ.items() if k.startswith("TRAINACCEL_")}
+    for name, raw in flags.items():
+        if raw is not None:
+            value = getattr(config, name)
+            env[Config.env_name(name)] = "" if value is None else str(value)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.run_path:
+            raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
+        env = trainaccel_env(args)
+        if args.np is not None or args.hosts or args.hostfile:
+            from trainaccel.launch.hosts import plan_hosts
+
+            plan = plan_hosts(args, env)
+        else:
+            plan = None
+    except (ConfigError, LaunchError, OSError) as e:
+        print(f"trainaccel run: error: {e}", file=sys.stderr)
+        return 2
+    if args.no_python:
+        log.warning("--no-python: the program runs as is; it must call trainaccel.init() itself")
+    os.environ.update(env)
+
+    if plan is not None:
+        from trainaccel.launch.hosts import run_plan
+
+        if args.dry_run:
+            for command in plan:
+                print(f"# node {command.node_rank}: {command.host}, {command.nproc} processes")
+                print(command.shell())
+            return 0
+        return run_plan(plan)
+
+    if args.dry_run:
+        env_prefix = [f"{k}={v}" for k, v in sorted(env.items())]
+        print(shlex.join([*env_prefix, *TORCHRUN, *torchrun_flags(args, module=False), *script_argv(args)]))
+        return 0
+    return _run_torchrun(args)
+
+
+def _run_torchrun(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    worker = script_argv(args)
+    if not args.no_python:
+        args.module, args.training_script, args.training_script_args = True, worker[1], worker[2:]
+    try:
+        run(args)
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,39 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+BIN = Path(sys.executable).parent
+
+
+def trainaccel_cmd() -> list[str]:
+    """The installed console script, as users run it."""
+    script = BIN / "trainaccel"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "trainaccel"]
+
+
+def torchrun_cmd() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    """Run a command with a clean TRAINACCEL_* environment plus `env`; never hangs the suite."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    return subprocess.run(
+        [str(c) for c in cmd], env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout, **kw
+    )
+
+
+def read_ranks(directory: Path, world: int) -> list[dict]:
+    files = sorted(directory.glob("rank*.json"))
+    assert len(files) == world, f"expected {world} rank files, found {[f.name for f in files]}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture
+def scripts() -> Path:
+    return SCRIPTS

@@ -1,0 +1,31 @@
+"""Bad options fail at once in `trainaccel run`, with one line, before any worker starts."""
+
+import pytest
+
+from conftest import SCRIPTS, run, trainaccel_cmd
+
+
+@pytest.mark.parametrize(
+    "flags, env, expected",
+    [
+        ([], {"TRAINACCEL_COMPRESSION": "zip"},
+         "trainaccel run: error: invalid compression='zip' (from TRAINACCEL_COMPRESSION); accepted: none, fp16, bf16"),
+        (["--bucket-mb", "-1"], {},
+         "trainaccel run: error: invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)"),
+        (["--nan-check", "sometimes"], {},
+         "trainaccel run: error: invalid nan_check='sometimes' (from --nan-check); accepted: off, warn, raise"),
+    ],
+)  # fmt: skip
+def test_invalid_option_exits_before_workers(tmp_path, flags, env, expected):
+    marker = tmp_path / "started"
+    proc = run(
+        [*trainaccel_cmd(), "run", "--nproc-per-node", "2", *flags, SCRIPTS / "touch_marker.py", marker], env=env
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == expected
+    assert not marker.exists(), "a worker started despite the invalid option"
+
+
+def test_run_path_is_refused_clearly(tmp_path):
+    proc = run([*trainaccel_cmd(), "run", "--run-path", SCRIPTS / "touch_marker.py", tmp_path / "m"])
+    assert proc.returncode == 2 and "--run-path is not supported" in proc.stderr

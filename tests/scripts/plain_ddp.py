@@ -1,0 +1,49 @@
+"""A plain DDP training script with no trainaccel import, as users write them."""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out-dir", required=True)
+parser.add_argument("--steps", type=int, default=20)
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(100 + rank)  # each rank sees different data
+losses = []
+for _ in range(args.steps):
+    x = torch.randn(16, 32, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True).repeat(1, 4)
+    loss = nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+
+state = getattr(model, "trainaccel_state", None)
+result = {
+    "rank": rank,
+    "world_size": dist.get_world_size(),
+    "comm_hook": model._get_ddp_logging_data().get("comm_hook"),
+    "bucket_bytes_cap": model.bucket_bytes_cap,
+    "compression": state.codec.name if state else None,
+    "bytes_per_step": state.bytes_per_step() if state else None,
+    "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    "first_loss": losses[0],
+    "last_loss": losses[-1],
+    "argv": os.sys.argv,
+    "name": __name__,
+}
+with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()

@@ -1,0 +1,74 @@
+import pytest
+
+from trainaccel.config import Config, ConfigError
+
+
+def test_defaults():
+    c = Config.resolve(env={})
+    assert (c.compression, c.hierarchical, c.bucket_mb, c.nan_check, c.log_level) == ("none", "auto", None, "off", "info")
+
+
+def test_precedence_keyword_over_flag_over_env():
+    env = {"TRAINACCEL_COMPRESSION": "bf16", "TRAINACCEL_BUCKET_MB": "8", "TRAINACCEL_NAN_CHECK": "warn"}
+    c = Config.resolve(env=env, flags={"compression": "fp16", "bucket_mb": None}, nan_check="raise")
+    assert c.compression == "fp16"  # flag beats env
+    assert c.bucket_mb == 8.0  # env beats default when no flag is given
+    assert c.nan_check == "raise"  # keyword beats env
+    assert Config.resolve(env=env, flags={"compression": "fp16"}, compression="none").compression == "none"
+
+
+def test_values_are_normalised():
+    c = Config.resolve(env={"TRAINACCEL_COMPRESSION": " FP16 "}, hierarchical=True, bucket_mb="2.5")
+    assert (c.compression, c.hierarchical, c.bucket_mb) == ("fp16", "on", 2.5)
+    assert Config.resolve(env={}, hierarchical=False, nan_check=True).describe().split()[1:4:2] == [
+        "hierarchical=off",
+        "nan_check=raise",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, flags, expected",
+    [
+        ({}, {"TRAINACCEL_COMPRESSION": "zip"}, {}, "invalid compression='zip' (from TRAINACCEL_COMPRESSION); accepted: none, fp16, bf16"),
+        ({}, {}, {"bucket_mb": "-1"}, "invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)"),
+        ({"bucket_mb": 0}, {}, {}, "invalid bucket_mb=0 (from keyword); accepted: a number > 0 (MiB)"),
+        ({"bucket_mb": "abc"}, {}, {}, "invalid bucket_mb='abc' (from keyword); accepted: a number > 0 (MiB)"),
+        ({}, {"TRAINACCEL_HIERARCHICAL": "maybe"}, {}, "invalid hierarchical='maybe' (from TRAINACCEL_HIERARCHICAL); accepted: auto, on, off"),
+        ({"nan_check": "loud"}, {}, {}, "invalid nan_check='loud' (from keyword); accepted: off, warn, raise"),
+        ({}, {"TRAINACCEL_LOG_LEVEL": "chatty"}, {}, "invalid log_level='chatty' (from TRAINACCEL_LOG_LEVEL); accepted: debug, info, warning, error"),
+    ],
+)
+def test_invalid_values_name_option_value_source_and_accepted(kwargs, env, flags, expected):
+    with pytest.raises(ConfigError) as info:
+        Config.resolve(env=env, flags=flags, **kwargs)
+    assert str(info.value) == expected
+    assert "\n" not in str(info.value)
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ConfigError, match="compression"):
+        Config(compression="gzip")
+    with pytest.raises(ConfigError, match="bucket_mb"):
+        Config(bucket_mb=float("inf"))
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="compresion"):
+        Config.resolve(env={}, compresion="fp16")
+
+
+def test_unknown_env_names_are_reported():
+    env = {"TRAINACCEL_COMPRESION": "fp16", "TRAINACCEL_NAN_CHECK": "warn", "OTHER": "1"}
+    assert Config.unknown_env(env) == ["TRAINACCEL_COMPRESION"]
+
+
+def test_to_env_round_trips():
+    c = Config.resolve(env={}, compression="bf16", bucket_mb=4, nan_check="warn")
+    assert Config.resolve(env=c.to_env()) == c
+    assert Config.resolve(env=Config().to_env()) == Config()
+
+
+def test_names_match_across_code_cli_and_env():
+    for name in Config.option_names():
+        assert Config.env_name(name) == "TRAINACCEL_" + name.upper()
+        assert Config.flag_name(name) == "--" + name.replace("_", "-")
