@@ -1,0 +1,69 @@
+"""An unmodified DDP script is accelerated by `trainaccel run`, and only by it (real Gloo workers)."""
+
+import socket
+import sys
+
+import pytest
+
+from conftest import SCRIPTS, read_ranks, run, torchrun_cmd, trainaccel_cmd
+
+SCRIPT = SCRIPTS / "plain_ddp.py"
+PARAMS = 32 * 64 + 64 + 64 * 4 + 4  # the script's model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(launcher: list, out, env: dict | None = None) -> list[dict]:
+    proc = run([*launcher, SCRIPT, "--out-dir", out, "--steps", "20"], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = read_ranks(out, 2)
+    assert ranks[0]["params"] == ranks[1]["params"], "replicas diverged"
+    assert all(r["last_loss"] < r["first_loss"] for r in ranks), "training did not reduce the loss"
+    return ranks
+
+
+def test_trainaccel_run_registers_the_hook_with_no_code_change(tmp_path):
+    ranks = _train([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2"], tmp_path)
+    for r in ranks:
+        assert r["comm_hook"] == "trainaccel_comm_hook"
+        assert r["compression"] == "none" and r["bytes_per_step"] == PARAMS * 4
+        assert r["name"] == "__main__"
+        assert r["argv"] == [str(SCRIPT), "--out-dir", str(tmp_path), "--steps", "20"]
+
+
+def test_plain_torchrun_reports_no_hook(tmp_path):
+    for r in _train([*torchrun_cmd(), "--standalone", "--nproc-per-node", "2"], tmp_path):
+        assert r["comm_hook"] in (None, "") and r["compression"] is None
+
+
+def test_python_m_trainaccel_launch_flags_beat_env(tmp_path):
+    launcher = [sys.executable, "-m", "trainaccel.launch", "--nproc_per_node", "2", "--master-port", _free_port(),
+                "--bucket-mb", "1", "--compression", "fp16"]  # fmt: skip
+    for r in _train(launcher, tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16", "TRAINACCEL_BUCKET_MB": "64"}):
+        assert r["comm_hook"] == "trainaccel_comm_hook"
+        assert r["compression"] == "fp16" and r["bytes_per_step"] == PARAMS * 2
+        assert r["bucket_bytes_cap"] == 2**20
+
+
+def test_env_alone_configures_workers(tmp_path):
+    launcher = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2"]
+    for r in _train(launcher, tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16"}):
+        assert r["compression"] == "bf16"
+
+
+def test_host_list_on_localhost_trains(tmp_path):
+    for r in _train([*trainaccel_cmd(), "run", "-H", "localhost:2"], tmp_path):
+        assert r["world_size"] == 2 and r["comm_hook"] == "trainaccel_comm_hook"
+
+
+@pytest.mark.parametrize("launcher", ["trainaccel", "host-list"])
+def test_a_failing_worker_fails_the_launch(tmp_path, launcher):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    args = ["--standalone", "--nproc-per-node", "2"] if launcher == "trainaccel" else ["-H", "localhost:2"]
+    proc = run([*trainaccel_cmd(), "run", *args, bad])
+    assert proc.returncode != 0

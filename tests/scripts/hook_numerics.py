@@ -1,0 +1,91 @@
+"""trainaccel's hook on real Gloo groups: exactness per codec, bytes, NaN checks, hook precedence.
+
+Run with torchrun --nproc-per-node 2; each rank writes its findings to OUT_DIR/rank{r}.json.
+"""
+
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainaccel
+from trainaccel.comm import comm_state, register, unpatch_ddp
+
+N = 1000
+
+
+class Weights(nn.Module):
+    """d(forward(x))/d(weight) == x, so the reduced gradient is the mean of the inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(N))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def inputs(rank: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(10 + rank)) * 3
+
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+exact = sum(inputs(r) for r in range(world)) / world
+found = {"rank": rank}
+
+for codec in ("none", "fp16", "bf16"):
+    model = DDP(Weights())
+    state = register(model, compression=codec)
+    model(inputs(rank)).backward()
+    err = (model.module.weight.grad - exact).abs().max().item()
+    found[codec] = {"max_abs_err": err, "bytes_per_step": state.bytes_per_step(), "steps": state.steps}
+
+# nan_check=raise: a non-finite gradient on one rank fails the step on every rank, naming the parameter.
+model = DDP(Weights())
+register(model, nan_check="raise")
+x = inputs(rank)
+if rank == 1:
+    x[7] = float("inf")
+try:
+    model(x).backward()
+    found["raise"] = None
+except Exception as e:  # surfaces from DDP's reducer as RuntimeError carrying our message
+    found["raise"] = f"{type(e).__name__}: {e}"
+
+# nan_check=warn: logs the parameter, training goes on.
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("trainaccel").addHandler(handler)
+model = DDP(Weights())
+register(model, nan_check="warn")
+model(x).backward()
+found["warn"] = [r.getMessage() for r in records]
+found["warn_grad_finite"] = bool(torch.isfinite(model.module.weight.grad).all())
+
+# After init(), DDP models get the hook at first forward, unless the script registers its own.
+trainaccel.init(start_process_group=False, compression="fp16")
+auto = DDP(Weights())
+auto(inputs(rank)).backward()
+own = DDP(Weights())
+own.register_comm_hook(None, default_hooks.allreduce_hook)
+own(inputs(rank)).backward()
+unpatch_ddp()
+plain = DDP(Weights())
+plain(inputs(rank)).backward()
+found["hooks"] = {
+    "auto": [auto._get_ddp_logging_data().get("comm_hook"), comm_state(auto).codec.name],
+    "own": [own._get_ddp_logging_data().get("comm_hook"), comm_state(own) is None],
+    "plain": [plain._get_ddp_logging_data().get("comm_hook"), comm_state(plain) is None],
+}
+
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(found, f)
+dist.destroy_process_group()

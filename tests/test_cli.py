@@ -1,0 +1,53 @@
+import json
+
+import torch
+
+from conftest import run, trainaccel_cmd
+
+
+def test_info_reports_versions_backends_and_config():
+    proc = run([*trainaccel_cmd(), "info"], env={"TRAINACCEL_COMPRESSION": "fp16", "TRAINACCEL_TYPO": "1", "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert torch.__version__ in out and "gloo=yes" in out
+    assert "config.compression" in out and "fp16  (TRAINACCEL_COMPRESSION)" in out
+    assert "config.nan_check" in out and "off  (default)" in out
+    assert "TRAINACCEL_TYPO is not a trainaccel option" in out
+
+
+def test_info_rejects_a_bad_env_value():
+    proc = run([*trainaccel_cmd(), "info"], env={"TRAINACCEL_HIERARCHICAL": "sideways"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "trainaccel info: error: invalid hierarchical='sideways' (from TRAINACCEL_HIERARCHICAL); accepted: auto, on, off"
+    )
+
+
+def test_version_and_usage():
+    proc = run([*trainaccel_cmd(), "--version"])
+    assert proc.returncode == 0 and proc.stdout.startswith("trainaccel 0.")
+    proc = run([*trainaccel_cmd()])
+    assert proc.returncode == 2 and "run" in proc.stderr and "demo" in proc.stderr
+
+
+def test_demo_measures_every_arm(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = run([*trainaccel_cmd(), "demo", "--steps", "12", "--warmup", "4", "--json", out], env={"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trainaccel demo" in proc.stdout and "examples/s per worker" in proc.stdout
+    plain, default, fp16 = json.loads(out.read_text())["arms"]
+    assert [a["arm"] for a in (plain, default, fp16)] == ["plain DDP", "trainaccel", "trainaccel fp16"]
+    assert plain["comm_hook"] is None
+    assert default["comm_hook"] == fp16["comm_hook"] == "trainaccel_comm_hook"
+    for arm in (plain, default, fp16):
+        assert arm["world_size"] == 2 and arm["timed_steps"] == 8
+        assert arm["examples_per_s_per_worker"] > 0
+        assert arm["replica_max_abs_diff"] == 0
+        assert arm["final_loss"] < arm["first_loss"]
+    assert default["bytes_per_step"] == plain["bytes_per_step"]
+    assert fp16["bytes_per_step"] == plain["bytes_per_step"] / 2
+
+
+def test_demo_rejects_bad_arguments():
+    proc = run([*trainaccel_cmd(), "demo", "--steps", "5", "--warmup", "5"])
+    assert proc.returncode == 2 and "accepted: 0 <= warmup < steps" in proc.stderr
