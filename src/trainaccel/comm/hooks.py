@@ -2,8 +2,11 @@
 # No `from __future__ import annotations`: DDP checks this hook's annotations at runtime.
 
 
+import atexit
 import dataclasses
 import logging
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,24 @@ import torch.distributed as dist
 from trainaccel.comm.codecs import Codec
 
 log = logging.getLogger("trainaccel")
+
+# Callbacks handed to c10d futures that a communication thread has not released yet.
+# Gloo's thread drops them after running them, and that takes the GIL: if it happens
+# once the interpreter is finalizing, the thread is killed and the process aborts
+# ("terminate called without an active exception"). At exit we wait until they are gone.
+_unreleased_callbacks: set[weakref.ref] = set()
+
+
+def _track(callback):
+    _unreleased_callbacks.add(weakref.ref(callback, _unreleased_callbacks.discard))
+    return callback
+
+
+@atexit.register
+def _wait_for_callback_release(timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _unreleased_callbacks and time.monotonic() < deadline:
+        time.sleep(0.001)  # releases the GIL, which is what the communication thread waits for
 
 
 @dataclasses.dataclass
@@ -46,7 +67,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
             _check_finite(state, bucket, result)
         return result
 
-    return fut.then(finish)
+    return fut.then(_track(finish))
 
 
 def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tensor) -> None:

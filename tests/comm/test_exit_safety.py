@@ -1,0 +1,60 @@
+"""Exit waits until communication threads have released the hook's callbacks (else: SIGABRT at exit)."""
+
+import sys
+import threading
+import time
+
+from conftest import run, torchrun_cmd
+from trainaccel.comm import hooks
+
+
+def test_exit_drain_waits_for_release_by_another_thread():
+    def callback():
+        pass
+
+    hooks._track(callback)
+    holder = [callback]
+    del callback
+    assert len(hooks._unreleased_callbacks) == 1
+    releaser = threading.Timer(0.1, holder.clear)  # as Gloo's thread drops the callback after running it
+    releaser.start()
+    started = time.monotonic()
+    hooks._wait_for_callback_release()
+    assert not hooks._unreleased_callbacks
+    assert time.monotonic() - started >= 0.09
+    releaser.join()
+
+
+def test_exit_drain_gives_up_after_its_timeout():
+    def callback():
+        pass
+
+    hooks._track(callback)
+    started = time.monotonic()
+    hooks._wait_for_callback_release(timeout_s=0.05)
+    assert 0.05 <= time.monotonic() - started < 1.0
+    del callback
+    assert not hooks._unreleased_callbacks
+
+
+SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from trainaccel.comm import hooks, register
+dist.init_process_group("gloo")
+model = DDP(nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)]), bucket_cap_mb=0.05)
+register(model, compression="fp16")
+sys.setswitchinterval(100)  # hold the GIL: Gloo's thread cannot release the callbacks yet
+model(torch.randn(4, 128)).sum().backward()
+hooks._wait_for_callback_release()
+assert not hooks._unreleased_callbacks, "callbacks still held by the communication thread"
+"""
+
+
+def test_workers_exit_cleanly_right_after_backward(tmp_path):
+    script = tmp_path / "exit_right_after_backward.py"
+    script.write_text(SCRIPT)
+    proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "terminate called" not in proc.stderr
