@@ -72,7 +72,7 @@ class Config:
     hierarchical: str = _option(
         "auto",
         _choice("auto", "on", "off", booleans=("on", "off")),
-        "two-level (intra-node, then inter-node) allreduce; auto turns it on for >1 node",
+        "two-level (intra-node, then inter-node) allreduce; this version always reduces flat",
     )
     bucket_mb: float | None = _option(
         None,

@@ -1,0 +1,57 @@
+import logging
+
+import pytest
+from torch.nn.parallel import DistributedDataParallel
+
+import trainaccel
+from trainaccel import runtime
+from trainaccel.comm import unpatch_ddp
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in list(__import__("os").environ):
+        if name.startswith("TRAINACCEL_"):
+            monkeypatch.delenv(name)
+    original = DistributedDataParallel.__init__
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("trainaccel").addHandler(handler)
+    yield messages
+    logging.getLogger("trainaccel").removeHandler(handler)
+    unpatch_ddp()
+    runtime._config = None
+    assert DistributedDataParallel.__init__ is original
+
+
+def test_init_is_idempotent_and_logs_the_config_once(clean):
+    original = DistributedDataParallel.__init__
+    config = trainaccel.init(compression="fp16")
+    assert config.compression == "fp16" and runtime.current_config() == config
+    patched = DistributedDataParallel.__init__
+    assert patched is not original and patched.__wrapped__ is original
+    assert trainaccel.init(compression="fp16") == config
+    assert DistributedDataParallel.__init__ is patched  # not wrapped twice
+    assert [m for m in clean if m.startswith("trainaccel config")] == [
+        "trainaccel config: compression=fp16 hierarchical=auto bucket_mb=None nan_check=off log_level=info"
+    ]
+
+
+def test_init_with_new_options_updates_the_config(clean, monkeypatch):
+    monkeypatch.setenv("TRAINACCEL_NAN_CHECK", "warn")
+    monkeypatch.setenv("TRAINACCEL_COMPRESION", "fp16")
+    assert trainaccel.init().nan_check == "warn"
+    assert trainaccel.init(nan_check="raise").nan_check == "raise"  # keyword beats env
+    assert runtime.current_config().nan_check == "raise"
+    assert sum(m.startswith("trainaccel config") for m in clean) == 2
+    assert any("TRAINACCEL_COMPRESION" in m and "not a trainaccel option" in m for m in clean)
+
+
+def test_init_rejects_bad_values_without_patching(clean):
+    original = DistributedDataParallel.__init__
+    with pytest.raises(trainaccel.ConfigError, match=r"invalid compression='zip' \(from keyword\)"):
+        trainaccel.init(compression="zip")
+    assert DistributedDataParallel.__init__ is original
