@@ -11,7 +11,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.comm.codecs import get_codec
-from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
+from trainaccel.comm.hooks import CommState, guard_exit, trainaccel_comm_hook
 from trainaccel.config import Config
 
 log = logging.getLogger("trainaccel")
@@ -92,5 +92,6 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
     existing = ddp_model._get_ddp_logging_data().get("comm_hook")
     if existing:
         log.info("keeping the communication hook %s registered by the script", existing)
+        guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
         return
     register(ddp_model, config)
