@@ -1,5 +1,6 @@
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,12 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
     return subprocess.run(
         [str(c) for c in cmd], env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout, **kw
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_ranks(directory: Path, world: int) -> list[dict]:

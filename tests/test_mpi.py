@@ -1,11 +1,10 @@
 """`trainaccel.init()` under an mpirun-style start: only OMPI_COMM_WORLD_* and MASTER_* are set."""
 
 import os
-import socket
 import subprocess
 import sys
 
-from conftest import SCRIPTS, read_ranks
+from conftest import SCRIPTS, free_port, read_ranks
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -23,10 +22,7 @@ def _mpi_env(rank: int, size: int, extra: dict) -> dict:
 
 
 def test_init_brings_up_the_process_group_from_open_mpi_variables(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [
         subprocess.Popen([sys.executable, SCRIPTS / "mpi_init.py", tmp_path], env=_mpi_env(r, 2, extra))
         for r in range(2)

@@ -88,6 +88,8 @@ def test_hostfile_and_partial_np(tmp_path):
         (["-np", "5", "-H", "a:2,b:2"], "invalid -np 5; accepted: 1 to 4"),
         (["-H", "a:2,a:2"], "a host is listed twice"),
         (["-H", "a:two"], "invalid host 'a:two'"),
+        (["-np", "0"], "invalid -np 0; accepted: an integer >= 1"),
+        (["-H", "a:2", "--standalone"], "--standalone is set from the host list"),
     ],
 )
 def test_bad_host_lists_fail_with_one_line(args, message):

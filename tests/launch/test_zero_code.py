@@ -1,20 +1,13 @@
 """An unmodified DDP script is accelerated by `trainaccel run`, and only by it (real Gloo workers)."""
 
-import socket
 import sys
 
 import pytest
 
-from conftest import SCRIPTS, read_ranks, run, torchrun_cmd, trainaccel_cmd
+from conftest import SCRIPTS, free_port, read_ranks, run, torchrun_cmd, trainaccel_cmd
 
 SCRIPT = SCRIPTS / "plain_ddp.py"
 PARAMS = 32 * 64 + 64 + 64 * 4 + 4  # the script's model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(launcher: list, out, env: dict | None = None) -> list[dict]:
@@ -41,7 +34,7 @@ def test_plain_torchrun_reports_no_hook(tmp_path):
 
 
 def test_python_m_trainaccel_launch_flags_beat_env(tmp_path):
-    launcher = [sys.executable, "-m", "trainaccel.launch", "--nproc_per_node", "2", "--master-port", _free_port(),
+    launcher = [sys.executable, "-m", "trainaccel.launch", "--nproc_per_node", "2", "--master-port", free_port(),
                 "--bucket-mb", "1", "--compression", "fp16"]  # fmt: skip
     for r in _train(launcher, tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16", "TRAINACCEL_BUCKET_MB": "64"}):
         assert r["comm_hook"] == "trainaccel_comm_hook"

@@ -143,6 +143,8 @@ def plan_hosts(args: argparse.Namespace, env: dict[str, str]) -> list[HostComman
         hosts = parse_hosts(args.hosts)
     elif args.hostfile:
         hosts = parse_hostfile(args.hostfile)
+    elif args.np < 1:
+        raise LaunchError(f"invalid -np {args.np}; accepted: an integer >= 1")
     else:
         hosts = [Host("localhost", args.np)]
     hosts = allocate(hosts, args.np)
