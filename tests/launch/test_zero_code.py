@@ -10,9 +10,11 @@ SCRIPT = SCRIPTS / "plain_ddp.py"
 PARAMS = 32 * 64 + 64 + 64 * 4 + 4  # the script's model
 
 
-def _train(launcher: list, out, env: dict | None = None) -> list[dict]:
+def _train(launcher: list, out, env: dict | None = None, output: list | None = None) -> list[dict]:
     proc = run([*launcher, SCRIPT, "--out-dir", out, "--steps", "20"], env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     ranks = read_ranks(out, 2)
     assert ranks[0]["params"] == ranks[1]["params"], "replicas diverged"
     assert all(r["last_loss"] < r["first_loss"] for r in ranks), "training did not reduce the loss"
@@ -20,7 +22,13 @@ def _train(launcher: list, out, env: dict | None = None) -> list[dict]:
 
 
 def test_trainaccel_run_registers_the_hook_with_no_code_change(tmp_path):
-    ranks = _train([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2"], tmp_path)
+    output: list[str] = []
+    ranks = _train([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2"], tmp_path, output=output)
+    config_lines = [line for line in output[0].splitlines() if "trainaccel config:" in line]
+    assert config_lines == [
+        "[trainaccel rank 0] INFO trainaccel config: compression=none hierarchical=auto bucket_mb=None "
+        "nan_check=off log_level=info"
+    ]  # logged once, by rank 0 only
     for r in ranks:
         assert r["comm_hook"] == "trainaccel_comm_hook"
         assert r["compression"] == "none" and r["bytes_per_step"] == PARAMS * 4
