@@ -7,12 +7,13 @@ import sys
 
 from trainaccel import __version__
 
-USAGE = """trainaccel {run,info,demo} ...
+USAGE = """trainaccel {run,info,demo,bench} ...
 
   run    start a training script with trainaccel (every torchrun flag, plus
          trainaccel options and -np/-H host lists); see `trainaccel run --help`
   info   versions, backends, devices and the resolved configuration
   demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
+  bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms)
 """
 
 
@@ -25,13 +26,19 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="trainaccel", usage=USAGE)
     parser.add_argument("--version", action="version", version=f"trainaccel {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo,bench}")
     commands.add_parser("run", help="start a training script (see `trainaccel run --help`)")
     commands.add_parser("info", help="versions, backends, devices and the resolved configuration")
     demo = commands.add_parser("demo", help="plain DDP vs trainaccel on local CPU workers")
     from trainaccel.demo import add_arguments
 
     add_arguments(demo)
+    bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
+        dest="benchmark", metavar="{train}", required=True
+    )
+    from trainaccel.bench.train import add_arguments as add_train_arguments
+
+    add_train_arguments(bench.add_parser("train", help="examples/s per worker: baseline vs trainaccel vs local"))
     args = parser.parse_args(argv)
     if args.command == "info":
         from trainaccel.info import main as info_main
@@ -41,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "bench":
+        from trainaccel.bench.train import main as train_main
+
+        return train_main(args)
     parser.print_usage(sys.stderr)
     return 2
 

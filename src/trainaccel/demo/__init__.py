@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, run_job
 
 WORKER_MODULE = "trainaccel.demo.worker"
 
@@ -22,9 +23,9 @@ class Arm:
 
 
 ARMS = [
-    Arm("plain DDP", [sys.executable, "-m", "torch.distributed.run"], {}),
-    Arm("trainaccel", [sys.executable, "-m", "trainaccel.launch"], {}),
-    Arm("trainaccel fp16", [sys.executable, "-m", "trainaccel.launch"], {"compression": "fp16"}),
+    Arm("plain DDP", TORCHRUN, {}),
+    Arm("trainaccel", TRAINACCEL_RUN, {}),
+    Arm("trainaccel fp16", TRAINACCEL_RUN, {"compression": "fp16"}),
 ]
 
 
@@ -55,11 +56,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path) -> dict:
         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch-size={args.batch_size}", f"--out={out}",
     ]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise RuntimeError(f"arm {arm.name!r} failed (exit {proc.returncode}):\n{tail}")
-    result = json.loads(out.read_text())
+    result = run_job(f"arm {arm.name!r}", command, out)
     result.update(arm=arm.name, command=command, wall_s=time.perf_counter() - started)
     return result
 

@@ -1,0 +1,167 @@
+"""`trainaccel bench train`: baseline, trainaccel and local arms side by side, repeated, medians and ratios."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from trainaccel.bench.models import MODELS
+from trainaccel.bench.worker import ARMS
+from trainaccel.config import Config, ConfigError
+from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env, run_job
+
+WORKER_MODULE = "trainaccel.bench.worker"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50", choices=list(MODELS), help="benchmark model (default resnet50)")
+    parser.add_argument("--image-size", type=int, default=224, help="image side for the ResNets (default 224)")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples per worker per step (default 32)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per run, warm-up included (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    options = parser.add_argument_group("trainaccel options for the trainaccel arm")
+    for name in Config.option_names():
+        options.add_argument(Config.flag_name(name), dest=f"trainaccel_{name}", metavar="VALUE", help=Config.help_for(name))
+
+
+def _arms(text: str) -> list[str]:
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms or len(set(arms)) != len(arms):
+        raise ValueError(f"invalid --arms {text!r}; accepted: a comma-separated subset of {', '.join(ARMS)}")
+    return arms
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag in ("image_size", "batch_size", "repeats", "nproc_per_node"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"invalid --{flag.replace('_', '-')} {getattr(args, flag)}; accepted: an integer >= 1")
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"invalid --steps {args.steps} / --warmup {args.warmup}; accepted: 0 <= warmup < steps")
+
+
+def _command(arm: str, args: argparse.Namespace, options: dict[str, str], out: Path) -> list[str]:
+    if arm == "trainaccel":
+        launcher = [*TRAINACCEL_RUN, *(f"{Config.flag_name(k)}={v}" for k, v in options.items())]
+    else:
+        launcher = TORCHRUN
+    return [
+        *launcher, "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+        "-m", WORKER_MODULE, f"--arm={arm}", f"--model={args.model}", f"--image-size={args.image_size}",
+        f"--batch-size={args.batch_size}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--out={out}",
+    ]  # fmt: skip
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Median and spread per arm; ratios to the baseline are paired by repeat, then the median taken."""
+    summary = {}
+    base = runs.get("baseline")
+    for arm, results in runs.items():
+        rates = [r["examples_per_s_per_worker"] for r in results]
+        entry = {
+            "examples_per_s_per_worker": rates,
+            "median": statistics.median(rates),
+            "min": min(rates),
+            "max": max(rates),
+            "bytes_per_step": results[-1]["bytes_per_step"],
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in results),
+            "comm_hook": results[-1]["comm_hook"],
+            "parameters": results[-1]["parameters"],
+        }
+        if base:
+            entry["ratio_vs_baseline"] = statistics.median(
+                r / b["examples_per_s_per_worker"] for r, b in zip(rates, base)
+            )
+        summary[arm] = entry
+    return summary
+
+
+def render(summary: dict[str, dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("arm", "examples/s per worker", "min - max", "vs baseline", "bytes sent/step", "peak memory"):
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    for arm, s in summary.items():
+        ratio = s.get("ratio_vs_baseline")
+        table.add_row(
+            arm,
+            f"{s['median']:.1f}",
+            f"{s['min']:.1f} - {s['max']:.1f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            f"{s['bytes_per_step'] / 2**20:.1f} MiB",
+            f"{s['peak_memory_bytes'] / 2**20:.0f} MiB",
+        )
+    Console().print(table)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    try:
+        _check(args)
+        arms = _arms(args.arms)
+        flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
+        config = Config.resolve(flags=flags)
+    except (ValueError, ConfigError) as e:
+        print(f"trainaccel bench train: error: {e}", file=sys.stderr)
+        return 2
+    options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    with tempfile.TemporaryDirectory(prefix="trainaccel-bench-") as tmp, Progress(transient=True) as progress:
+        task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(arms))
+        for repeat in range(args.repeats):
+            for arm in arms:  # interleaved, so drift on a shared machine hits every arm alike
+                progress.update(task, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
+                out = Path(tmp) / f"{arm}-{repeat}.json"
+                env = None if arm == "trainaccel" else plain_env()
+                try:
+                    runs[arm].append(run_job(f"arm {arm}", _command(arm, args, options, out), out, env))
+                except RuntimeError as e:
+                    print(f"trainaccel bench train: error: {e}", file=sys.stderr)
+                    return 1
+                progress.advance(task)
+    summary = summarize(runs)
+    title = (
+        f"bench train {args.model}: {args.nproc_per_node} workers x batch {args.batch_size}, "
+        f"median of {args.repeats}" + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
+    )
+    render(summary, title)
+    if args.json:
+        report = {
+            "benchmark": "train",
+            "command": ["trainaccel", *sys.argv[1:]],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {
+                "host": socket.gethostname(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": _torch_version(),
+            },
+            "settings": {
+                k: v for k, v in vars(args).items() if k not in ("command", "benchmark") and not k.startswith("trainaccel_")
+            },
+            "trainaccel_config": config.describe(),
+            "arms": summary,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0

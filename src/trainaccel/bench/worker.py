@@ -1,0 +1,111 @@
+"""One arm of `trainaccel bench train`: a DDP training loop on synthetic data, timed after warm-up.
+
+Arms: baseline (plain DDP under torchrun), trainaccel (the same, under `trainaccel run`),
+local (no gradient exchange: DDP whose hook communicates nothing, the compute-only ceiling).
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainaccel.bench.models import get_model
+
+ARMS = ("baseline", "trainaccel", "local")
+
+
+def no_communication(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP hook that keeps each worker's own gradients: training with the network taken out."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--image-size", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = get_model(args.model)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    if args.arm == "local":
+        model.register_comm_hook(None, no_communication)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch_size, *spec.example_shape(args.image_size), generator=g).to(device)
+    y = torch.randint(0, spec.num_classes, (args.batch_size,), generator=g).to(device)
+
+    started = 0.0
+    for step in range(args.steps):
+        if step == args.warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            started = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor(time.perf_counter() - started, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
+    peak = torch.tensor(float(_peak_memory_bytes(device)), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+
+    state = getattr(model, "trainaccel_state", None)
+    if args.arm == "local":
+        bytes_per_step = 0.0
+    elif state is not None:
+        bytes_per_step = state.bytes_per_step()
+    else:  # plain DDP allreduces every gradient once per step, in its own dtype
+        bytes_per_step = float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
+    if rank == 0:
+        timed = args.steps - args.warmup
+        result = {
+            "arm": args.arm,
+            "world_size": world,
+            "examples_per_s_per_worker": args.batch_size * timed / float(elapsed),
+            "step_time_s": float(elapsed) / timed,
+            "bytes_per_step": bytes_per_step,
+            "peak_memory_bytes": int(peak.item()),
+            "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "final_loss": loss.item(),
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

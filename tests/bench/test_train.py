@@ -1,0 +1,57 @@
+"""`trainaccel bench train` runs on a tiny configuration and writes well-formed JSON (no timing asserted)."""
+
+import json
+
+from conftest import run, trainaccel_cmd
+
+MLP_PARAMETERS = 18_834_408
+
+
+def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run(
+        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "2",
+         "--batch-size", "4", "--compression", "fp16", "--json", out],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bench train mlp" in proc.stdout and "vs baseline" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "train" and report["command"][:3] == ["trainaccel", "bench", "train"]
+    assert report["settings"]["repeats"] == 2 and report["machine"]["cpus"] >= 1
+    arms = report["arms"]
+    assert list(arms) == ["baseline", "trainaccel", "local"]
+    for arm in arms.values():
+        assert len(arm["examples_per_s_per_worker"]) == 2
+        assert 0 < arm["min"] <= arm["median"] <= arm["max"]
+        assert arm["ratio_vs_baseline"] > 0 and arm["peak_memory_bytes"] > 0
+        assert arm["parameters"] == MLP_PARAMETERS
+    assert arms["baseline"]["ratio_vs_baseline"] == 1.0
+    assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4 and arms["baseline"]["comm_hook"] is None
+    assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2
+    assert arms["trainaccel"]["comm_hook"] == "trainaccel_comm_hook"
+    assert arms["local"]["bytes_per_step"] == 0 and arms["local"]["comm_hook"] == "no_communication"
+
+
+def test_bench_train_baseline_ignores_trainaccel_env(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run(
+        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "1",
+         "--batch-size", "2", "--arms", "baseline,trainaccel", "--json", out],
+        env={"TRAINACCEL_COMPRESSION": "bf16"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    arms = json.loads(out.read_text())["arms"]
+    assert list(arms) == ["baseline", "trainaccel"]
+    assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4  # plain DDP, untouched by the env
+    assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2  # bf16 from the env
+
+
+def test_bench_train_rejects_bad_arguments():
+    for args, message in [
+        (["--arms", "baseline,fast"], "invalid --arms 'baseline,fast'"),
+        (["--repeats", "0"], "invalid --repeats 0; accepted: an integer >= 1"),
+        (["--compression", "zip"], "invalid compression='zip' (from --compression)"),
+    ]:
+        proc = run([*trainaccel_cmd(), "bench", "train", *args])
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
