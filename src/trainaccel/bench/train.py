@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, EmulationError, parse_emulate
 from trainaccel.bench.models import MODELS
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
-from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env, run_job
+from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env, run_job, run_together
 
 WORKER_MODULE = "trainaccel.bench.worker"
 
@@ -30,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument(
+        "--emulate",
+        metavar="SPEC",
+        help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     options = parser.add_argument_group("trainaccel options for the trainaccel arm")
     for name in Config.option_names():
@@ -52,16 +60,47 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"invalid --steps {args.steps} / --warmup {args.warmup}; accepted: 0 <= warmup < steps")
 
 
-def _command(arm: str, args: argparse.Namespace, options: dict[str, str], out: Path) -> list[str]:
+def _command(arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, rendezvous: list[str]) -> list[str]:
     if arm == "trainaccel":
         launcher = [*TRAINACCEL_RUN, *(f"{Config.flag_name(k)}={v}" for k, v in options.items())]
     else:
         launcher = TORCHRUN
     return [
-        *launcher, "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+        *launcher, *rendezvous,
         "-m", WORKER_MODULE, f"--arm={arm}", f"--model={args.model}", f"--image-size={args.image_size}",
         f"--batch-size={args.batch_size}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--out={out}",
     ]  # fmt: skip
+
+
+def _run_local(arm: str, args: argparse.Namespace, options: dict[str, str], out: Path) -> dict:
+    rendezvous = ["--standalone", f"--nproc-per-node={args.nproc_per_node}"]
+    env = None if arm == "trainaccel" else plain_env()
+    return run_job(f"arm {arm}", _command(arm, args, options, out, rendezvous), out, env)
+
+
+def _run_emulated(
+    arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, cluster: EmulatedCluster, port: int
+) -> dict:
+    """One torchrun per emulated node, inside its namespace, Gloo bound to the node's link."""
+    emulation = cluster.emulation
+    env = {**(os.environ if arm == "trainaccel" else plain_env()), "GLOO_SOCKET_IFNAME": IFACE}
+    commands = []
+    for node in range(emulation.nodes):
+        rendezvous = [
+            f"--nnodes={emulation.nodes}", f"--node-rank={node}", f"--nproc-per-node={emulation.procs_per_node}",
+            f"--master-addr={cluster.address(0)}", f"--master-port={port}",
+        ]  # fmt: skip
+        commands.append([*cluster.exec_prefix(node), *_command(arm, args, options, out, rendezvous)])
+    logs = [out.with_suffix(f".node{node}.log") for node in range(emulation.nodes)]
+    code, failed = run_together(commands, [env] * len(commands), logs)
+    if failed is not None or not out.exists():
+        tail = "\n".join(logs[failed or 0].read_text().splitlines()[-30:])
+        raise RuntimeError(f"arm {arm} failed on node {failed} (exit {code}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -120,6 +159,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
         arms = _arms(args.arms)
+        emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
         flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
         config = Config.resolve(flags=flags)
     except (ValueError, ConfigError) as e:
@@ -127,22 +167,40 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    with tempfile.TemporaryDirectory(prefix="trainaccel-bench-") as tmp, Progress(transient=True) as progress:
-        task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(arms))
-        for repeat in range(args.repeats):
-            for arm in arms:  # interleaved, so drift on a shared machine hits every arm alike
-                progress.update(task, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
-                out = Path(tmp) / f"{arm}-{repeat}.json"
-                env = None if arm == "trainaccel" else plain_env()
-                try:
-                    runs[arm].append(run_job(f"arm {arm}", _command(arm, args, options, out), out, env))
-                except RuntimeError as e:
-                    print(f"trainaccel bench train: error: {e}", file=sys.stderr)
-                    return 1
-                progress.advance(task)
+    # SIGTERM unwinds like Ctrl-C, so the emulated cluster is always torn down.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with contextlib.ExitStack() as stack:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainaccel-bench-")))
+            cluster = stack.enter_context(EmulatedCluster(emulation)) if emulation else None
+            progress = stack.enter_context(Progress(transient=True))
+            task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(arms))
+            for repeat in range(args.repeats):
+                for i, arm in enumerate(arms):  # interleaved: drift on a shared machine hits every arm alike
+                    progress.update(task, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
+                    out = tmp / f"{arm}-{repeat}.json"
+                    if cluster is None:
+                        runs[arm].append(_run_local(arm, args, options, out))
+                    else:
+                        port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
+                        runs[arm].append(_run_emulated(arm, args, options, out, cluster, port))
+                    progress.advance(task)
+    except (RuntimeError, EmulationError) as e:
+        print(f"trainaccel bench train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("trainaccel bench train: interrupted; workers stopped and namespaces removed", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     summary = summarize(runs)
+    workers = (
+        f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"
+        if emulation
+        else f"{args.nproc_per_node} workers"
+    )
     title = (
-        f"bench train {args.model}: {args.nproc_per_node} workers x batch {args.batch_size}, "
+        f"bench train {args.model}: {workers} x batch {args.batch_size}, "
         f"median of {args.repeats}" + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
     )
     render(summary, title)

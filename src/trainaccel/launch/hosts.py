@@ -6,11 +6,8 @@ import argparse
 import dataclasses
 import os
 import shlex
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from trainaccel.launch.run import TORCHRUN, LaunchError, script_argv, torchrun_flags
@@ -178,35 +175,14 @@ def plan_hosts(args: argparse.Namespace, env: dict[str, str]) -> list[HostComman
 
 def run_plan(commands: list[HostCommand]) -> int:
     """Run every host's torchrun; the first failure stops the rest and is the exit code."""
-    procs = []
-    for command in commands:
-        env = {**os.environ, **command.env} if command.local else None
-        procs.append(subprocess.Popen(command.process_argv(), env=env, start_new_session=True))
+    from trainaccel.launch.local import run_together
+
+    envs = [{**os.environ, **c.env} if c.local else None for c in commands]
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(c, cmd) for c, cmd in zip(codes, commands) if c not in (None, 0)]
-            if failed:
-                code, command = failed[0]
-                print(f"trainaccel run: node {command.node_rank} ({command.host}) exited with {code}", file=sys.stderr)
-                _stop(procs)
-                return code
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
+        code, failed = run_together([c.process_argv() for c in commands], envs)
     except KeyboardInterrupt:
-        _stop(procs)
         return 130
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    if failed is not None:
+        command = commands[failed]
+        print(f"trainaccel run: node {command.node_rank} ({command.host}) exited with {code}", file=sys.stderr)
+    return code

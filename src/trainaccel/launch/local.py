@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trainaccel.launch.run import TORCHRUN
 
-__all__ = ["TORCHRUN", "TRAINACCEL_RUN", "plain_env", "run_job"]
+__all__ = ["TORCHRUN", "TRAINACCEL_RUN", "plain_env", "run_job", "run_together"]
 TRAINACCEL_RUN = [sys.executable, "-m", "trainaccel.launch"]
 
 
@@ -26,3 +28,53 @@ def run_job(name: str, command: list[str], out: Path, env: dict[str, str] | None
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(out.read_text())
+
+
+def run_together(
+    commands: list[list[str]], envs: list[dict[str, str] | None] | None = None, logs: list[Path] | None = None
+) -> tuple[int, int | None]:
+    """Run commands side by side; the first failure stops the rest (as does Ctrl-C, re-raised).
+
+    Returns (exit code, index of the failed command or None). Each command gets its own
+    process group, so stopping it stops everything it started.
+    """
+    envs = envs or [None] * len(commands)
+    files = [open(path, "w") for path in logs] if logs else [None] * len(commands)
+    procs: list[subprocess.Popen] = []
+    try:
+        for command, env, out in zip(commands, envs, files):
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
+                )
+            )
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                stop(procs)
+                return codes[failed[0]], failed[0]  # type: ignore[return-value]
+            if all(code == 0 for code in codes):
+                return 0, None
+            time.sleep(0.1)
+    except BaseException:
+        stop(procs)
+        raise
+    finally:
+        for f in files:
+            if f is not None:
+                f.close()
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each process group still running, SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -1,0 +1,129 @@
+"""Emulated multi-node clusters on one machine: a network namespace per node, a shaped link each.
+
+Nodes hang off a bridge (in a namespace of its own) through veth pairs; `tc tbf` limits each
+direction of every node's link. Processes of one node talk over the node's own stack, so
+intra-node traffic never crosses the shaped link. Everything is removed on exit, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+
+SUBNET = "10.213.0"  # lives only inside the namespaces made here
+IFACE = "eth0"
+_LINK = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_SCALE = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+class EmulationError(RuntimeError):
+    """The emulated cluster cannot be built here; the message says what is needed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+    nodes: int
+    procs_per_node: int
+    link: str  # tc rate, e.g. 500mbit
+
+    @property
+    def link_bits_per_s(self) -> float:
+        value, unit = _LINK.match(self.link).groups()  # type: ignore[union-attr]
+        return float(value) * _SCALE[unit]
+
+
+def parse_emulate(spec: str) -> Emulation:
+    """`nodes=2,procs-per-node=2,link=500mbit` -> Emulation."""
+    accepted = "nodes=N,procs-per-node=P,link=RATE with N >= 2, P >= 1, RATE like 500mbit or 2gbit"
+    fields = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in ("nodes", "procs-per-node", "link") or key in fields:
+            raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}")
+        fields[key] = value.strip().lower()
+    try:
+        emulation = Emulation(int(fields["nodes"]), int(fields["procs-per-node"]), fields["link"])
+    except (KeyError, ValueError):
+        raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}") from None
+    if emulation.nodes < 2 or emulation.procs_per_node < 1 or not _LINK.match(emulation.link):
+        raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}")
+    return emulation
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    cmd = ["ip", *(["-n", netns] if netns else []), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulationError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+def _tc(netns: str, *args: str) -> None:
+    cmd = ["ip", "netns", "exec", netns, "tc", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EmulationError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+def namespaces(prefix: str) -> list[str]:
+    """The network namespaces whose names start with `prefix`."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+class EmulatedCluster:
+    """Context manager: builds the namespaces and links on enter, removes all of them on exit."""
+
+    def __init__(self, emulation: Emulation, prefix: str | None = None):
+        self.emulation = emulation
+        self.prefix = prefix or f"ta{os.getpid()}-"
+        self.bridge = self.prefix + "br"
+        self.nodes = [f"{self.prefix}n{k}" for k in range(emulation.nodes)]
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def exec_prefix(self, node: int) -> list[str]:
+        """Prefix a command with this to run it inside node `node`."""
+        return ["ip", "netns", "exec", self.nodes[node]]
+
+    def __enter__(self) -> EmulatedCluster:
+        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+            raise EmulationError(
+                "--emulate needs root and iproute2 (`ip netns`, `tc`) to build network namespaces; "
+                "run as root on Linux, or drop --emulate"
+            )
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _build(self) -> None:
+        rate = self.emulation.link
+        _ip("netns", "add", self.bridge)
+        _ip("link", "add", "br0", "type", "bridge", netns=self.bridge)
+        _ip("link", "set", "br0", "up", netns=self.bridge)
+        for k, ns in enumerate(self.nodes):
+            _ip("netns", "add", ns)
+            port = f"p{k}"
+            _ip("link", "add", IFACE, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.bridge)
+            _ip("addr", "add", f"{self.address(k)}/24", "dev", IFACE, netns=ns)
+            _ip("link", "set", IFACE, "up", netns=ns)
+            _ip("link", "set", "lo", "up", netns=ns)
+            _ip("link", "set", port, "master", "br0", netns=self.bridge)
+            _ip("link", "set", port, "up", netns=self.bridge)
+            # Both directions of the node's link: what it sends, and what the bridge sends it.
+            for netns, dev in ((ns, IFACE), (self.bridge, port)):
+                _tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+
+    def teardown(self) -> None:
+        """Delete every namespace of this cluster (their veths go with them); safe to repeat."""
+        for ns in namespaces(self.prefix):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

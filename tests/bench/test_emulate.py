@@ -1,0 +1,95 @@
+"""Emulated clusters: parsing, a shaped link between nodes and none within a node, full teardown."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import trainaccel_cmd
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, parse_emulate, namespaces
+
+needs_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+    reason="needs root and iproute2 to build network namespaces",
+)
+
+RECEIVER = """
+import socket, sys, time
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 5901)); srv.listen(1); print("ready", flush=True)
+conn, _ = srv.accept(); total, start = 0, None
+while True:
+    data = conn.recv(1 << 20)
+    if not data: break
+    start = start or time.perf_counter(); total += len(data)
+print(total * 8 / (time.perf_counter() - start))
+"""
+SENDER = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 5901)); s.sendall(b"x" * int(sys.argv[2])); s.close()
+"""
+
+
+def test_parse_emulate():
+    assert parse_emulate("nodes=2,procs-per-node=2,link=500mbit") == Emulation(2, 2, "500mbit")
+    assert parse_emulate("link=2Gbit, nodes=3, procs-per-node=1").link_bits_per_s == 2e9
+    for bad in ("nodes=1,procs-per-node=2,link=1gbit", "nodes=2,procs-per-node=2", "nodes=2,procs=2,link=1gbit",
+                "nodes=2,procs-per-node=2,link=fast", "nodes=2,procs-per-node=0,link=1gbit"):  # fmt: skip
+        with pytest.raises(ValueError, match="accepted: nodes=N,procs-per-node=P,link=RATE"):
+            parse_emulate(bad)
+
+
+def _bits_per_s(cluster: EmulatedCluster, sender_node: int, receiver_node: int, nbytes: int) -> float:
+    receiver = subprocess.Popen(
+        [*cluster.exec_prefix(receiver_node), sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert receiver.stdout.readline().strip() == "ready"
+        subprocess.run(
+            [*cluster.exec_prefix(sender_node), sys.executable, "-c", SENDER, cluster.address(receiver_node), str(nbytes)],
+            check=True, timeout=60,
+        )  # fmt: skip
+        return float(receiver.communicate(timeout=60)[0].strip())
+    finally:
+        receiver.kill()
+
+
+@needs_netns
+def test_link_is_shaped_between_nodes_and_not_within_a_node():
+    emulation = parse_emulate("nodes=2,procs-per-node=1,link=40mbit")
+    with EmulatedCluster(emulation, prefix="tatest-link-") as cluster:
+        across = _bits_per_s(cluster, 0, 1, 4_000_000)
+        within = _bits_per_s(cluster, 1, 1, 4_000_000)
+    assert 0.5 * 40e6 <= across <= 1.25 * 40e6, across
+    assert within >= 10 * 40e6, within
+    assert namespaces("tatest-link-") == []
+
+
+@needs_netns
+def test_no_namespace_survives_ctrl_c(tmp_path):
+    proc = subprocess.Popen(
+        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "50", "--warmup", "1", "--repeats", "3",
+         "--batch-size", "2", "--emulate", "nodes=2,procs-per-node=1,link=100mbit"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    prefix = f"ta{proc.pid}-"
+    deadline = time.monotonic() + 60
+    while not namespaces(prefix) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert namespaces(prefix), "the benchmark never built its namespaces"
+    time.sleep(2)  # let the workers start inside them
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert namespaces(prefix) == [], f"namespaces left behind: {namespaces(prefix)}"
+
+
+def test_emulate_without_root_says_what_is_needed(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="--emulate needs root and iproute2"):
+        with EmulatedCluster(parse_emulate("nodes=2,procs-per-node=1,link=1gbit"), prefix="tatest-noroot-"):
+            pass
