@@ -1,5 +1,6 @@
 """Emulated clusters: parsing, a shaped link between nodes and none within a node, full teardown."""
 
+import json
 import os
 import shutil
 import signal
@@ -93,3 +94,22 @@ def test_emulate_without_root_says_what_is_needed(monkeypatch):
     with pytest.raises(RuntimeError, match="--emulate needs root and iproute2"):
         with EmulatedCluster(parse_emulate("nodes=2,procs-per-node=1,link=1gbit"), prefix="tatest-noroot-"):
             pass
+
+
+@needs_netns
+def test_bench_train_on_an_emulated_cluster_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen(
+        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "1",
+         "--batch-size", "2", "--arms", "baseline,trainaccel", "--compression", "bf16",
+         "--emulate", "nodes=2,procs-per-node=1,link=1gbit", "--json", out],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout + stderr
+    assert namespaces(f"ta{proc.pid}-") == []
+    report = json.loads(out.read_text())
+    assert report["settings"]["emulate"] == "nodes=2,procs-per-node=1,link=1gbit"
+    assert report["arms"]["baseline"]["comm_hook"] is None
+    assert report["arms"]["trainaccel"]["comm_hook"] == "trainaccel_comm_hook"
+    assert report["arms"]["trainaccel"]["bytes_per_step"] == report["arms"]["baseline"]["bytes_per_step"] / 2
