@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.bench.models import get_model
+from trainaccel.comm import bytes_per_step
 
 ARMS = ("baseline", "trainaccel", "local")
 
@@ -82,13 +83,6 @@ def main() -> None:
     peak = torch.tensor(float(_peak_memory_bytes(device)), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
 
-    state = getattr(model, "trainaccel_state", None)
-    if args.arm == "local":
-        bytes_per_step = 0.0
-    elif state is not None:
-        bytes_per_step = state.bytes_per_step()
-    else:  # plain DDP allreduces every gradient once per step, in its own dtype
-        bytes_per_step = float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
     if rank == 0:
         timed = args.steps - args.warmup
         result = {
@@ -96,7 +90,7 @@ def main() -> None:
             "world_size": world,
             "examples_per_s_per_worker": args.batch_size * timed / float(elapsed),
             "step_time_s": float(elapsed) / timed,
-            "bytes_per_step": bytes_per_step,
+            "bytes_per_step": 0.0 if args.arm == "local" else bytes_per_step(model),
             "peak_memory_bytes": int(peak.item()),
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),

@@ -2,9 +2,10 @@
 
 from trainaccel.comm.codecs import CastCompression, Codec, NoCompression, get_codec
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
-from trainaccel.comm.patch import comm_state, patch_ddp, register, unpatch_ddp
+from trainaccel.comm.patch import bytes_per_step, comm_state, patch_ddp, register, unpatch_ddp
 
 __all__ = [
+    "bytes_per_step",
     "CastCompression",
     "Codec",
     "CommState",

@@ -51,6 +51,17 @@ def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:
     return getattr(ddp_model, "trainaccel_state", None)
 
 
+def bytes_per_step(ddp_model: DistributedDataParallel) -> float:
+    """Allreduce payload per step for this model: measured by trainaccel's hook, else plain DDP's.
+
+    Plain DDP (no hook, or a hook we did not build) reduces every gradient once per step, in its dtype.
+    """
+    state = comm_state(ddp_model)
+    if state is not None:
+        return state.bytes_per_step()
+    return float(sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad))
+
+
 def patch_ddp(config: Config) -> None:
     """Every DDP model constructed from now on gets trainaccel's hook for `config` (idempotent)."""
     global _original_init, _config

@@ -1,4 +1,4 @@
-"""The demo's training script: plain PyTorch DDP, nothing trainaccel-specific, as a user writes it.
+"""The demo's training script: plain PyTorch DDP, as a user writes it (trainaccel only measures it).
 
 Run under torchrun (plain DDP) or `trainaccel run` (accelerated, no code change).
 """
@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from trainaccel.comm import bytes_per_step  # measurement only; the training is plain DDP
 
 IN_FEATURES, HIDDEN, CLASSES = 256, 1024, 10
 
@@ -79,11 +81,6 @@ def main() -> None:
     replica_diff = max(float((r - replicas[0]).abs().max()) for r in replicas)
 
     logging_data = model._get_ddp_logging_data()
-    state = getattr(model, "trainaccel_state", None)
-    if state is not None:
-        bytes_per_step = state.bytes_per_step()
-    else:  # plain DDP allreduces every gradient once per step, in its own dtype
-        bytes_per_step = float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
     if rank == 0:
         result = {
             "world_size": world,
@@ -93,7 +90,7 @@ def main() -> None:
             "examples_per_s_per_worker": args.batch_size * (args.steps - args.warmup) / float(elapsed),
             "final_loss": float(tail) / world,
             "first_loss": losses[0],
-            "bytes_per_step": bytes_per_step,
+            "bytes_per_step": bytes_per_step(model),
             "comm_hook": logging_data.get("comm_hook") or None,
             "replica_max_abs_diff": replica_diff,
         }
