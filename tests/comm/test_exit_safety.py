@@ -1,6 +1,5 @@
 """Exit waits until communication threads have released the hook's callbacks (else: SIGABRT at exit)."""
 
-import sys
 import threading
 import time
 

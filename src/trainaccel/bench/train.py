@@ -8,18 +8,18 @@ import datetime
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, EmulationError, parse_emulate
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
+from trainaccel.bench.jobs import run_workers, sigterm_as_interrupt
 from trainaccel.bench.models import MODELS
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
-from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env, run_job, run_together
+from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
 
 WORKER_MODULE = "trainaccel.bench.worker"
 
@@ -60,47 +60,20 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"invalid --steps {args.steps} / --warmup {args.warmup}; accepted: 0 <= warmup < steps")
 
 
-def _command(arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, rendezvous: list[str]) -> list[str]:
+def _run_arm(
+    arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, cluster: EmulatedCluster | None, port: int
+) -> dict:
     if arm == "trainaccel":
-        launcher = [*TRAINACCEL_RUN, *(f"{Config.flag_name(k)}={v}" for k, v in options.items())]
+        launcher, env = [*TRAINACCEL_RUN, *(f"{Config.flag_name(k)}={v}" for k, v in options.items())], dict(os.environ)
     else:
-        launcher = TORCHRUN
-    return [
-        *launcher, *rendezvous,
+        launcher, env = TORCHRUN, plain_env()
+    worker = [
         "-m", WORKER_MODULE, f"--arm={arm}", f"--model={args.model}", f"--image-size={args.image_size}",
         f"--batch-size={args.batch_size}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--out={out}",
     ]  # fmt: skip
-
-
-def _run_local(arm: str, args: argparse.Namespace, options: dict[str, str], out: Path) -> dict:
-    rendezvous = ["--standalone", f"--nproc-per-node={args.nproc_per_node}"]
-    env = None if arm == "trainaccel" else plain_env()
-    return run_job(f"arm {arm}", _command(arm, args, options, out, rendezvous), out, env)
-
-
-def _run_emulated(
-    arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, cluster: EmulatedCluster, port: int
-) -> dict:
-    """One torchrun per emulated node, inside its namespace, Gloo bound to the node's link."""
-    emulation = cluster.emulation
-    env = {**(os.environ if arm == "trainaccel" else plain_env()), "GLOO_SOCKET_IFNAME": IFACE}
-    commands = []
-    for node in range(emulation.nodes):
-        rendezvous = [
-            f"--nnodes={emulation.nodes}", f"--node-rank={node}", f"--nproc-per-node={emulation.procs_per_node}",
-            f"--master-addr={cluster.address(0)}", f"--master-port={port}",
-        ]  # fmt: skip
-        commands.append([*cluster.exec_prefix(node), *_command(arm, args, options, out, rendezvous)])
-    logs = [out.with_suffix(f".node{node}.log") for node in range(emulation.nodes)]
-    code, failed = run_together(commands, [env] * len(commands), logs)
-    if failed is not None or not out.exists():
-        tail = "\n".join(logs[failed or 0].read_text().splitlines()[-30:])
-        raise RuntimeError(f"arm {arm} failed on node {failed} (exit {code}):\n{tail}")
-    return json.loads(out.read_text())
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    return run_workers(
+        f"arm {arm}", launcher, worker, out, env, nproc_per_node=args.nproc_per_node, cluster=cluster, port=port
+    )
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -167,10 +140,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    # SIGTERM unwinds like Ctrl-C, so the emulated cluster is always torn down.
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(sigterm_as_interrupt())
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainaccel-bench-")))
             cluster = stack.enter_context(EmulatedCluster(emulation)) if emulation else None
             progress = stack.enter_context(Progress(transient=True))
@@ -179,11 +151,8 @@ def main(args: argparse.Namespace) -> int:
                 for i, arm in enumerate(arms):  # interleaved: drift on a shared machine hits every arm alike
                     progress.update(task, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
                     out = tmp / f"{arm}-{repeat}.json"
-                    if cluster is None:
-                        runs[arm].append(_run_local(arm, args, options, out))
-                    else:
-                        port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
-                        runs[arm].append(_run_emulated(arm, args, options, out, cluster, port))
+                    port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
+                    runs[arm].append(_run_arm(arm, args, options, out, cluster, port))
                     progress.advance(task)
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
@@ -191,8 +160,6 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trainaccel bench train: interrupted; workers stopped and namespaces removed", file=sys.stderr)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     summary = summarize(runs)
     workers = (
         f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"

@@ -1,0 +1,62 @@
+"""Start one benchmark job: local workers, or one torchrun per node of an emulated cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainaccel.bench.emulate import IFACE, EmulatedCluster
+from trainaccel.launch.local import run_job, run_together
+
+
+def run_workers(
+    name: str,
+    launcher: list[str],
+    worker: list[str],
+    out: Path,
+    env: dict[str, str] | None,
+    *,
+    nproc_per_node: int,
+    cluster: EmulatedCluster | None = None,
+    port: int = 29500,
+) -> dict:
+    """Run `launcher ... worker` to completion and return the JSON its rank 0 wrote to `out`.
+
+    Without a cluster: `--standalone` on this machine. With one: a torchrun per node inside
+    its namespace, static rendezvous on node 0, Gloo bound to the node's shaped interface.
+    """
+    if cluster is None:
+        return run_job(name, [*launcher, "--standalone", f"--nproc-per-node={nproc_per_node}", *worker], out, env)
+    emulation = cluster.emulation
+    commands = [
+        [
+            *cluster.exec_prefix(node), *launcher,
+            f"--nnodes={emulation.nodes}", f"--node-rank={node}", f"--nproc-per-node={emulation.procs_per_node}",
+            f"--master-addr={cluster.address(0)}", f"--master-port={port}", *worker,
+        ]  # fmt: skip
+        for node in range(emulation.nodes)
+    ]
+    node_env = {**(env or {}), "GLOO_SOCKET_IFNAME": IFACE}
+    logs = [out.with_suffix(f".node{node}.log") for node in range(emulation.nodes)]
+    code, failed = run_together(commands, [node_env] * len(commands), logs)
+    if failed is not None or not out.exists():
+        tail = "\n".join(logs[failed or 0].read_text().splitlines()[-30:])
+        raise RuntimeError(f"{name} failed on node {failed} (exit {code}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C inside this block, so clean-up (namespaces, workers) always runs."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
