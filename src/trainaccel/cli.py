@@ -13,7 +13,8 @@ USAGE = """trainaccel {run,info,demo,bench} ...
          trainaccel options and -np/-H host lists); see `trainaccel run --help`
   info   versions, backends, devices and the resolved configuration
   demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
-  bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms)
+  bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms),
+         `trainaccel bench comm` (allreduce bandwidth over message sizes)
 """
 
 
@@ -34,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo)
     bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
-        dest="benchmark", metavar="{train}", required=True
+        dest="benchmark", metavar="{train,comm}", required=True
     )
+    from trainaccel.bench.comm import add_arguments as add_comm_arguments
     from trainaccel.bench.train import add_arguments as add_train_arguments
 
     add_train_arguments(bench.add_parser("train", help="examples/s per worker: baseline vs trainaccel vs local"))
+    add_comm_arguments(bench.add_parser("comm", help="allreduce bus bandwidth over message sizes, per codec"))
     args = parser.parse_args(argv)
     if args.command == "info":
         from trainaccel.info import main as info_main
@@ -48,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.demo import main as demo_main
 
         return demo_main(args)
-    if args.command == "bench":
+    if args.command == "bench" and args.benchmark == "train":
         from trainaccel.bench.train import main as train_main
 
         return train_main(args)
+    if args.command == "bench":
+        from trainaccel.bench.comm import main as comm_main
+
+        return comm_main(args)
     parser.print_usage(sys.stderr)
     return 2
 
