@@ -31,9 +31,11 @@ def _check_rows(report: dict, world: int, link: float | None) -> None:
 
 def test_bench_comm_tiny_local_run(tmp_path):
     out = tmp_path / "comm.json"
-    proc = run([*trainaccel_cmd(), "bench", "comm", "--sizes", "4KiB,64KiB", "--iters", "2", "--json", out])
+    plot = tmp_path / "busbw.png"
+    proc = run([*trainaccel_cmd(), "bench", "comm", "--sizes", "4KiB,64KiB", "--iters", "2", "--json", out, "--plot", plot])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bench comm" in proc.stdout
+    assert plot.read_bytes().startswith(b"\x89PNG")
     _check_rows(json.loads(out.read_text()), world=2, link=None)
 
 

@@ -11,11 +11,12 @@ def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = run(
         [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "2",
-         "--batch-size", "4", "--compression", "fp16", "--json", out],
+         "--batch-size", "4", "--compression", "fp16", "--json", out, "--plot", tmp_path / "arms.png"],
         env={"COLUMNS": "200"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bench train mlp" in proc.stdout and "vs baseline" in proc.stdout
+    assert (tmp_path / "arms.png").read_bytes().startswith(b"\x89PNG")
     report = json.loads(out.read_text())
     assert report["benchmark"] == "train" and report["command"][:3] == ["trainaccel", "bench", "train"]
     assert report["settings"]["repeats"] == 2 and report["machine"]["cpus"] >= 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from trainaccel.bench.emulate import EmulatedCluster, EmulationError, parse_emulate
 from trainaccel.bench.jobs import run_workers, sigterm_as_interrupt
+from trainaccel.bench.plot import check_available, plot_comm
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, plain_env
 
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers without --emulate (default 2)")
     parser.add_argument("--emulate", metavar="SPEC", help="emulated cluster, e.g. nodes=2,procs-per-node=1,link=500mbit")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write bus bandwidth vs size (needs trainaccel[plot])")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,7 +61,9 @@ def main(args: argparse.Namespace) -> int:
         if args.iters < 1 or args.warmup < 0 or args.nproc_per_node < 1:
             raise ValueError("invalid --iters/--warmup/--nproc-per-node; accepted: iters >= 1, warmup >= 0, nproc >= 1")
         emulation = parse_emulate(args.emulate) if args.emulate else None
-    except (ValueError, ConfigError) as e:
+        if args.plot:
+            check_available()
+    except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench comm: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -85,7 +89,9 @@ def main(args: argparse.Namespace) -> int:
     for row in result["rows"]:
         row["link_gbit_s"] = link
         row["busbw_vs_link"] = row["busbw_gbit_s"] / link if link else None
-    render(result, emulation.link if emulation else None)
+    title = render(result, emulation.link if emulation else None)
+    if args.plot:
+        plot_comm(result["rows"], title, args.plot)
     if args.json:
         report = {
             "benchmark": "comm",
@@ -98,12 +104,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(result: dict, link: str | None) -> None:
+def render(result: dict, link: str | None) -> str:
+    """Print the table; returns its title."""
     from rich.console import Console
     from rich.table import Table
 
     where = f"emulated link {link}" if link else "this machine, no shaped link"
-    table = Table(title=f"bench comm: allreduce over {result['world_size']} workers, {where}")
+    title = f"bench comm: allreduce over {result['world_size']} workers, {where}"
+    table = Table(title=title)
     for column in ("compression", "size", "time", "algbw Gbit/s", "busbw Gbit/s", "busbw / link"):
         table.add_column(column, justify="left" if column == "compression" else "right")
     for row in result["rows"]:
@@ -117,3 +125,4 @@ def render(result: dict, link: str | None) -> None:
             "-" if ratio is None else f"{ratio:.2f}",
         )
     Console().print(table)
+    return title

@@ -17,6 +17,7 @@ from pathlib import Path
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
 from trainaccel.bench.jobs import run_workers, sigterm_as_interrupt
 from trainaccel.bench.models import MODELS
+from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a bar chart of the arms (needs trainaccel[plot])")
     options = parser.add_argument_group("trainaccel options for the trainaccel arm")
     for name in Config.option_names():
         options.add_argument(Config.flag_name(name), dest=f"trainaccel_{name}", metavar="VALUE", help=Config.help_for(name))
@@ -135,7 +137,9 @@ def main(args: argparse.Namespace) -> int:
         emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
         flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
         config = Config.resolve(flags=flags)
-    except (ValueError, ConfigError) as e:
+        if args.plot:
+            check_available()
+    except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
         return 2
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
@@ -171,6 +175,8 @@ def main(args: argparse.Namespace) -> int:
         f"median of {args.repeats}" + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
     )
     render(summary, title)
+    if args.plot:
+        plot_train(summary, title, args.plot)
     if args.json:
         report = {
             "benchmark": "train",

@@ -1,0 +1,57 @@
+"""`--plot PATH` for the benchmarks: matplotlib, an optional extra (`pip install trainaccel[plot]`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'trainaccel[plot]'") from None
+    return plt
+
+
+def check_available() -> None:
+    """Fail before any benchmark runs, not after, when plotting cannot work."""
+    _pyplot()
+
+
+def plot_train(summary: dict[str, dict], title: str, path: str | Path) -> None:
+    """Bar per arm: median examples/s per worker, whiskers from min to max."""
+    plt = _pyplot()
+    arms = list(summary)
+    medians = [summary[a]["median"] for a in arms]
+    low = [summary[a]["median"] - summary[a]["min"] for a in arms]
+    high = [summary[a]["max"] - summary[a]["median"] for a in arms]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(arms, medians, yerr=[low, high], capsize=6, color=["#888888", "#1f77b4", "#2ca02c"][: len(arms)])
+    ax.set_ylabel("examples/s per worker (median, min-max)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_comm(rows: list[dict], title: str, path: str | Path) -> None:
+    """Bus bandwidth against message size, one line per codec, with the link's rate if known."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for codec in dict.fromkeys(r["compression"] for r in rows):
+        mine = [r for r in rows if r["compression"] == codec]
+        ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbit_s"] for r in mine], marker="o", label=codec)
+    link = rows[0].get("link_gbit_s") if rows else None
+    if link:
+        ax.axhline(link, linestyle="--", color="gray", label="link")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (Gbit/s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
