@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from trainaccel.bench.worker import start_process_group
 from trainaccel.comm.codecs import get_codec
 
 
@@ -23,13 +23,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = start_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for name in args.compression.split(","):

@@ -30,6 +30,17 @@ def no_communication(state: object, bucket: dist.GradBucket) -> torch.futures.Fu
     return fut
 
 
+def start_process_group() -> torch.device:
+    """Join the job: NCCL on this worker's GPU when there is one, else Gloo on the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -47,13 +58,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = start_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = get_model(args.model)
     torch.manual_seed(0)
