@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 
-from trainaccel.bench.emulate import EmulatedCluster, EmulationError, parse_emulate
-from trainaccel.bench.jobs import run_workers, sigterm_as_interrupt
+from trainaccel.bench.emulate import EmulationError, parse_emulate
+from trainaccel.bench.jobs import bench_session, report_header, run_workers
 from trainaccel.bench.plot import check_available, plot_comm
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, plain_env
@@ -67,10 +64,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"trainaccel bench comm: error: {e}", file=sys.stderr)
         return 2
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(sigterm_as_interrupt())
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainaccel-bench-")))
-            cluster = stack.enter_context(EmulatedCluster(emulation)) if emulation else None
+        with bench_session(emulation) as (tmp, cluster):
             out = tmp / "comm.json"
             worker = [
                 "-m", WORKER_MODULE, f"--sizes={','.join(map(str, sizes))}", f"--compression={','.join(codecs)}",
@@ -94,10 +88,7 @@ def main(args: argparse.Namespace) -> int:
         plot_comm(result["rows"], title, args.plot)
     if args.json:
         report = {
-            "benchmark": "comm",
-            "command": ["trainaccel", *sys.argv[1:]],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("command", "benchmark")},
+            **report_header("comm", args),
             **result,
         }
         Path(args.json).write_text(json.dumps(report, indent=2))

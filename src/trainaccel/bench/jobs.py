@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
 import json
+import os
+import platform
 import signal
+import socket
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainaccel.bench.emulate import IFACE, EmulatedCluster
+from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation
 from trainaccel.launch.local import run_job, run_together
 
 
@@ -60,3 +67,34 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def bench_session(emulation: Emulation | None) -> Iterator[tuple[Path, EmulatedCluster | None]]:
+    """A scratch folder and, when asked, an emulated cluster; both removed however the block ends."""
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="trainaccel-bench-") as tmp:
+        if emulation is None:
+            yield Path(tmp), None
+        else:
+            with EmulatedCluster(emulation) as cluster:
+                yield Path(tmp), cluster
+
+
+def report_header(benchmark: str, args: argparse.Namespace) -> dict:
+    """What every benchmark's JSON starts with: what ran, when, where, with which settings."""
+    import torch
+
+    return {
+        "benchmark": benchmark,
+        "command": ["trainaccel", *sys.argv[1:]],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "host": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in ("command", "benchmark") and not k.startswith("trainaccel_")
+        },
+    }

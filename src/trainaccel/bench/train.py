@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
-from trainaccel.bench.jobs import run_workers, sigterm_as_interrupt
+from trainaccel.bench.jobs import bench_session, report_header, run_workers
 from trainaccel.bench.models import MODELS
 from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.worker import ARMS
@@ -122,12 +117,6 @@ def render(summary: dict[str, dict], title: str) -> None:
     Console().print(table)
 
 
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
 def main(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
@@ -145,11 +134,7 @@ def main(args: argparse.Namespace) -> int:
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(sigterm_as_interrupt())
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainaccel-bench-")))
-            cluster = stack.enter_context(EmulatedCluster(emulation)) if emulation else None
-            progress = stack.enter_context(Progress(transient=True))
+        with bench_session(emulation) as (tmp, cluster), Progress(transient=True) as progress:
             task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(arms))
             for repeat in range(args.repeats):
                 for i, arm in enumerate(arms):  # interleaved: drift on a shared machine hits every arm alike
@@ -179,18 +164,7 @@ def main(args: argparse.Namespace) -> int:
         plot_train(summary, title, args.plot)
     if args.json:
         report = {
-            "benchmark": "train",
-            "command": ["trainaccel", *sys.argv[1:]],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {
-                "host": socket.gethostname(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "torch": _torch_version(),
-            },
-            "settings": {
-                k: v for k, v in vars(args).items() if k not in ("command", "benchmark") and not k.startswith("trainaccel_")
-            },
+            **report_header("train", args),
             "trainaccel_config": config.describe(),
             "arms": summary,
         }
