@@ -53,18 +53,18 @@ def parse_emulate(spec: str) -> Emulation:
     return emulation
 
 
-def _ip(*args: str, netns: str | None = None) -> None:
-    cmd = ["ip", *(["-n", netns] if netns else []), *args]
+def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise EmulationError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    _run(["ip", *(["-n", netns] if netns else []), *args])
 
 
 def _tc(netns: str, *args: str) -> None:
-    cmd = ["ip", "netns", "exec", netns, "tc", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise EmulationError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+    _run(["ip", "netns", "exec", netns, "tc", *args])
 
 
 def namespaces(prefix: str) -> list[str]:
