@@ -56,6 +56,30 @@ def _positive_float_or_unset(name: str, raw: Any) -> float | None:
 _positive_float_or_unset.accepted = "a number > 0 (MiB)"  # type: ignore[attr-defined]
 
 
+def _number(kind: type, low: float, high: float, *, low_open: bool = False) -> Callable[[str, Any], Any]:
+    """Parser for an int or float in [low, high] (or (low, high] with `low_open`)."""
+
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high != float("inf") else None
+    noun = "an integer" if kind is int else "a number"
+    accepted = f"{noun} in {interval}" if interval else f"{noun} {'>' if low_open else '>='} {low:g}"
+
+    def parse(name: str, raw: Any) -> Any:
+        try:
+            if isinstance(raw, bool):
+                raise ValueError
+            value = kind(raw.strip()) if isinstance(raw, str) else kind(raw)
+            if kind is int and not isinstance(raw, str) and value != raw:
+                raise ValueError  # 2.5 is not an integer
+        except (TypeError, ValueError):
+            raise ConfigError(name, raw, accepted) from None
+        if not (low < value if low_open else low <= value) or not value <= high or value == float("inf"):
+            raise ConfigError(name, raw, accepted)
+        return value
+
+    parse.accepted = accepted  # type: ignore[attr-defined]
+    return parse
+
+
 def _option(default: Any, parse: Callable[[str, Any], Any], help: str) -> Any:
     return dataclasses.field(default=default, metadata={"parse": parse, "help": help})
 
@@ -66,13 +90,49 @@ class Config:
 
     compression: str = _option(
         "none",
+        _choice("none", "fp16", "bf16", "topk", "randomk", "powersgd"),
+        "gradient compression across nodes (over all workers when the reduction is flat)",
+    )
+    intra_compression: str = _option(
+        "none",
         _choice("none", "fp16", "bf16"),
-        "gradient compression applied to each DDP bucket before it is reduced",
+        "compression within a node when the reduction is hierarchical",
     )
     hierarchical: str = _option(
         "auto",
         _choice("auto", "on", "off", booleans=("on", "off")),
-        "two-level (intra-node, then inter-node) allreduce; this version always reduces flat",
+        "two-level allreduce: reduce-scatter in the node, allreduce across nodes, all-gather in the node; "
+        "auto: on with >1 node, >1 worker per node and a dense codec (none, fp16, bf16)",
+    )
+    compression_ratio: float = _option(
+        0.01,
+        _number(float, 0.0, 1.0, low_open=True),
+        "fraction of gradient elements that topk and randomk send each step",
+    )
+    compression_momentum: float = _option(
+        0.0,
+        _number(float, 0.0, 1.0),
+        "momentum correction for topk and randomk (use with a momentum-free optimizer, e.g. 0.9)",
+    )
+    fp16_scale: float = _option(
+        1.0,
+        _number(float, 0.0, float("inf"), low_open=True),
+        "gradients are multiplied by this before the fp16 cast and divided after; lower it on overflow",
+    )
+    powersgd_rank: int = _option(
+        2,
+        _number(int, 1, float("inf")),
+        "rank of PowerSGD's low-rank gradient approximation",
+    )
+    local_steps: int = _option(
+        1,
+        _number(int, 1, float("inf")),
+        "backward passes accumulated locally between gradient exchanges (trainaccel.comm.LocalSteps)",
+    )
+    autotune: str = _option(
+        "off",
+        _choice("off", "on", booleans=("on", "off")),
+        "time candidate fusion sizes, codecs and hierarchy over the first steps and keep the fastest",
     )
     bucket_mb: float | None = _option(
         None,

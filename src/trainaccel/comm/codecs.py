@@ -1,11 +1,14 @@
 """Gradient codecs: `compress(tensor) -> (payload, ctx)` and `decompress(payload, ctx) -> tensor`.
 
-A codec sees a flat gradient buffer already divided by the world size; its payload is what
-crosses the network and must be summable by allreduce.
+A codec sees a flat gradient buffer already divided by the world size. When `summable`, the
+payloads of all workers are summed by allreduce and decoded once; otherwise each worker's
+payload is gathered, decoded and the results summed. What a lossy codec drops is kept by
+`ErrorFeedback` and added into the next step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -13,6 +16,8 @@ import torch
 
 class Codec(Protocol):
     name: str
+    summable: bool  # payloads may be summed by allreduce (else: gathered and decoded one by one)
+    lossy: bool  # decompress(compress(t)) differs from t: error feedback applies
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
 
@@ -22,7 +27,7 @@ class Codec(Protocol):
 class NoCompression:
     """Send the buffer as it is (lossless)."""
 
-    name = "none"
+    name, summable, lossy = "none", True, False
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return tensor, None
@@ -32,24 +37,131 @@ class NoCompression:
 
 
 class CastCompression:
-    """Send the buffer in a narrower float dtype (fp16 or bf16), restore the original dtype after."""
+    """Send the buffer in a narrower float dtype, times `scale`; restore dtype and scale after."""
 
-    def __init__(self, name: str, dtype: torch.dtype):
-        self.name, self.dtype = name, dtype
+    summable, lossy = True, True
+
+    def __init__(self, name: str, dtype: torch.dtype, scale: float = 1.0):
+        self.name, self.dtype, self.scale = name, dtype, scale
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor.to(self.dtype), tensor.dtype
+        scaled = tensor * self.scale if self.scale != 1.0 else tensor
+        return scaled.to(self.dtype), tensor.dtype
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return payload.to(ctx)
+        out = payload.to(ctx)
+        return out.div_(self.scale) if self.scale != 1.0 else out
 
 
-def get_codec(name: str) -> Codec:
-    """The codec for a `compression` option value."""
+class TopK:
+    """Send the `ratio` largest-magnitude elements as (values, int32 indices) in one float32 payload."""
+
+    name, summable, lossy = "topk", False, True
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.ratio = ratio
+        self._sampler = torch.Generator().manual_seed(seed)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        n = tensor.numel()
+        k = max(1, math.ceil(n * self.ratio))
+        indices = self._top_indices(tensor.abs(), k)
+        values = tensor[indices].to(torch.float32)
+        payload = torch.cat([values, indices.to(torch.int32).view(torch.float32)])
+        return payload, (n, tensor.dtype)
+
+    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
+        n, dtype = ctx
+        k = payload.numel() // 2
+        out = torch.zeros(n, dtype=dtype, device=payload.device)
+        out[payload[k:].view(torch.int32).long()] = payload[:k].to(dtype)
+        return out
+
+    def _top_indices(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
+        n = magnitude.numel()
+        if k * 8 > n or n < 65536:
+            return magnitude.topk(k, sorted=False).indices
+        # A full top-k over millions of elements is slow on CPU. Estimate a threshold from a
+        # sample that lets through about 2k candidates, then take the exact top-k of those.
+        sample = magnitude[torch.randint(n, (min(n, 32768),), generator=self._sampler).to(magnitude.device)]
+        threshold = sample.float().quantile(1.0 - 2.0 * k / n).item()
+        candidates = (magnitude >= threshold).nonzero().squeeze(1)
+        if candidates.numel() < k:
+            return magnitude.topk(k, sorted=False).indices
+        return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+
+
+class RandomK:
+    """Send every N-th element (N = 1/ratio) from an offset drawn per call from a seed all workers share.
+
+    Every worker picks the same elements, so payloads can be summed by allreduce (the seed's
+    "gossip" downsampling). Workers must call `compress` in the same order, as DDP buckets are.
+    """
+
+    name, summable, lossy = "randomk", True, True
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.stride = max(1, round(1.0 / ratio))
+        self._offsets = torch.Generator().manual_seed(seed)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        n = tensor.numel()
+        offset = int(torch.randint(min(self.stride, n), (1,), generator=self._offsets))
+        return tensor[offset :: self.stride].clone(), (n, offset)
+
+    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
+        n, offset = ctx
+        out = torch.zeros(n, dtype=payload.dtype, device=payload.device)
+        out[offset :: self.stride] = payload
+        return out
+
+
+CODECS = ("none", "fp16", "bf16", "topk", "randomk")
+
+
+def get_codec(name: str, *, ratio: float = 0.01, fp16_scale: float = 1.0, seed: int = 0) -> Codec:
+    """The codec for a `compression` value (`powersgd` is a hook of its own, not a codec)."""
     if name == "none":
         return NoCompression()
     if name == "fp16":
-        return CastCompression("fp16", torch.float16)
+        return CastCompression("fp16", torch.float16, fp16_scale)
     if name == "bf16":
         return CastCompression("bf16", torch.bfloat16)
-    raise ValueError(f"invalid compression={name!r}; accepted: none, fp16, bf16")
+    if name == "topk":
+        return TopK(ratio, seed)
+    if name == "randomk":
+        return RandomK(ratio, seed)
+    raise ValueError(f"invalid compression={name!r}; accepted: {', '.join(CODECS)}")
+
+
+class ErrorFeedback:
+    """Per-buffer residuals of a lossy codec (and momentum, for momentum correction).
+
+    `corrected = g + residual` is what gets compressed; what the payload does not carry
+    becomes the next residual. With momentum m: u = m*u + g, residual += u, and both are
+    cleared where elements were sent (momentum correction of Deep Gradient Compression).
+    """
+
+    def __init__(self, momentum: float = 0.0):
+        self.momentum = momentum
+        self.residuals: dict[Any, torch.Tensor] = {}
+        self.velocities: dict[Any, torch.Tensor] = {}
+
+    def correct(self, key: Any, tensor: torch.Tensor) -> torch.Tensor:
+        residual = self.residuals.get(key)
+        if residual is None or residual.shape != tensor.shape:  # DDP rebuilds its buckets once
+            residual = self.residuals[key] = torch.zeros_like(tensor)
+            self.velocities.pop(key, None)
+        if self.momentum:
+            velocity = self.velocities.get(key)
+            if velocity is None:
+                velocity = self.velocities[key] = torch.zeros_like(tensor)
+            velocity.mul_(self.momentum).add_(tensor)
+            return residual.add_(velocity)
+        return residual.add_(tensor)
+
+    def update(self, key: Any, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+        """`corrected` is the tensor `correct` returned; `sent` is what the local payload decodes to."""
+        if self.momentum:
+            self.velocities[key].masked_fill_(sent != 0, 0.0)
+        corrected.sub_(sent)  # `corrected` is the residual buffer itself

@@ -10,40 +10,84 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from trainaccel.comm.codecs import get_codec
-from trainaccel.comm.hooks import CommState, guard_exit, trainaccel_comm_hook
+from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
+from trainaccel.comm.hooks import CommState, Pipeline, guard_exit, trainaccel_comm_hook
+from trainaccel.comm.powersgd import powersgd_state
+from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 
 log = logging.getLogger("trainaccel")
 
 _original_init = None
 _config: Config | None = None
-_warned_hierarchical = False
 
 
 def register(ddp_model: DistributedDataParallel, config: Config | None = None, **options: Any) -> CommState:
     """Register trainaccel's communication hook on a DDP model; returns the hook's state.
 
-    Options are those of `Config` (keyword > TRAINACCEL_* env > default). `bucket_mb` cannot
-    change an existing model's buckets: pass `bucket_cap_mb` to DDP or use `trainaccel.init()`.
+    Options are those of `Config` (keyword > TRAINACCEL_* env > default). Call it on every rank
+    (finding the topology is collective). `bucket_mb` cannot change an existing model's buckets:
+    pass `bucket_cap_mb` to DDP or use `trainaccel.init()`.
     """
-    global _warned_hierarchical
     if config is None:
         config = Config.resolve(**options)
     elif options:
         config = dataclasses.replace(config, **options)
-    if config.hierarchical == "on" and not _warned_hierarchical:
-        _warned_hierarchical = True
-        log.warning("hierarchical=on: this version reduces flat over all ranks (hierarchy not yet available)")
-    state = CommState(
-        process_group=ddp_model.process_group,
-        codec=get_codec(config.compression),
-        nan_check=config.nan_check,
-        param_names={id(p): name for name, p in ddp_model.module.named_parameters()},
-    )
+    param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    state = build_state(ddp_model.process_group, config, param_names)
     ddp_model.register_comm_hook(state, trainaccel_comm_hook)
     ddp_model.trainaccel_state = state
     return state
+
+
+DENSE_CODECS = ("none", "fp16", "bf16")
+
+
+def build_state(process_group: Any, config: Config, param_names: dict[int, str] | None = None) -> CommState:
+    """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies."""
+    state = CommState(process_group=process_group, codec=NoCompression(), nan_check=config.nan_check,
+                      param_names=param_names or {})  # fmt: skip
+    if config.compression == "powersgd":
+        state.powersgd = powersgd_state(process_group, config.powersgd_rank)
+        if config.hierarchical == "on":
+            _warn_once("hierarchical=on: powersgd reduces over all workers at once (its payload is already small)")
+        return state
+    state.codec = get_codec(config.compression, ratio=config.compression_ratio, fp16_scale=config.fp16_scale)
+    if state.codec.lossy:
+        sparse = config.compression in ("topk", "randomk")
+        state.feedback = ErrorFeedback(config.compression_momentum if sparse else 0.0)
+    wanted = config.hierarchical == "on" or (config.hierarchical == "auto" and config.compression in DENSE_CODECS)
+    topology = discover(process_group) if wanted else None
+    why_flat = topology.why_flat() if topology is not None else None
+    if topology is not None and why_flat is None:
+        state.topology, state.pipeline = topology, Pipeline()
+        state.intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale)
+        if state.intra_codec.lossy:
+            state.intra_feedback = ErrorFeedback()
+        _info_once(
+            f"hierarchical allreduce: {topology.num_nodes} nodes x {topology.local_size} workers, "
+            f"{config.compression} across nodes, {config.intra_compression} within"
+        )
+    elif why_flat is not None and (config.hierarchical == "on" or not topology.uniform):
+        _warn_once(f"hierarchical={config.hierarchical}: reducing flat over all workers ({why_flat})")
+    if config.intra_compression != "none" and not state.hierarchical:
+        _warn_once(f"intra_compression={config.intra_compression} has no effect: the reduction is flat")
+    return state
+
+
+_said: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def _info_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.info(message)
 
 
 def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:

@@ -1,0 +1,33 @@
+"""`compression=powersgd`: torch's own PowerSGD hook (low-rank P, Q with error feedback), counted and checked."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+# torch refuses fewer with error feedback or warm start on: step 1 is a plain allreduce, which
+# also lets DDP rebuild its buckets before PowerSGD keeps per-bucket state.
+START_STEP = 2
+
+
+def powersgd_state(process_group: dist.ProcessGroup | None, rank: int, seed: int = 0) -> PowerSGDState:
+    """PowerSGD of `rank` with error feedback and warm start, compressing from step `START_STEP`."""
+    return PowerSGDState(
+        process_group=process_group,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=START_STEP,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=seed,
+    )
+
+
+def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torch.futures.Future, int]:
+    """Run torch's PowerSGD hook on one bucket; also return the bytes it hands to allreduce."""
+    buffer = bucket.buffer()
+    compressing = state.iter >= state.start_powerSGD_iter
+    before = state.total_numel_after_compression
+    fut = powerSGD_hook(state, bucket)
+    numel = state.total_numel_after_compression - before if compressing else buffer.numel()
+    return fut, numel * buffer.element_size()

@@ -1,0 +1,91 @@
+"""Which workers share a node, and the intra-node and inter-node groups built from that once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """This worker's place in the job; groups are None where the job has no such level."""
+
+    rank: int
+    world_size: int
+    nodes: tuple[tuple[int, ...], ...]  # global ranks per node, nodes ordered by their lowest rank
+    node_index: int
+    intra_group: dist.ProcessGroup | None = None
+    inter_group: dist.ProcessGroup | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.nodes[self.node_index])
+
+    @property
+    def uniform(self) -> bool:
+        """Every node has the same number of workers."""
+        return len({len(n) for n in self.nodes}) == 1
+
+    def why_flat(self) -> str | None:
+        """Why a hierarchical reduction cannot help or cannot run here; None when it can."""
+        if self.num_nodes < 2:
+            return "one node"
+        if not self.uniform:
+            sizes = ", ".join(str(len(n)) for n in self.nodes)
+            return f"nodes have different numbers of workers ({sizes})"
+        if self.local_size < 2:
+            return "one worker per node"
+        return None
+
+
+def node_key(env: dict[str, str] | None = None) -> str:
+    """What identifies this worker's node: torchrun's node rank, else the host name."""
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    if env.get("GROUP_RANK"):
+        return f"node-rank {env['GROUP_RANK']}"
+    return f"host {socket.gethostname()}"
+
+
+def group_nodes(keys: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Ranks grouped by node key, nodes ordered by their lowest rank."""
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        nodes.setdefault(key, []).append(rank)
+    return tuple(tuple(ranks) for ranks in nodes.values())
+
+
+_cache: list[tuple[dist.ProcessGroup, Topology]] = []  # (the default group it was built for, topology)
+
+
+def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
+    """The topology of the default group (one small allgather, then cached); call on every rank.
+
+    Hierarchy is only built for the default group: for any other group the topology is flat.
+    """
+    world = dist.group.WORLD
+    group = world if process_group is None else process_group
+    if group is not world:
+        return Topology(dist.get_rank(group), dist.get_world_size(group), (tuple(range(dist.get_world_size(group))),), 0)
+    if _cache and _cache[0][0] is world:
+        return _cache[0][1]
+    rank, size = dist.get_rank(), dist.get_world_size()
+    keys: list[str] = [""] * size
+    dist.all_gather_object(keys, node_key())
+    nodes = group_nodes(keys)
+    node_index = next(i for i, ranks in enumerate(nodes) if rank in ranks)
+    topology = Topology(rank, size, nodes, node_index)
+    if topology.num_nodes > 1 and topology.uniform and topology.local_size > 1:
+        # new_group is collective over the whole world: every rank builds every group, in order.
+        intra = [dist.new_group(list(ranks)) for ranks in nodes]
+        inter = [dist.new_group([ranks[i] for ranks in nodes]) for i in range(topology.local_size)]
+        local_index = nodes[node_index].index(rank)
+        topology = dataclasses.replace(topology, intra_group=intra[node_index], inter_group=inter[local_index])
+    _cache[:] = [(world, topology)]
+    return topology
