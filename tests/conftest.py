@@ -29,6 +29,31 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
     )
 
 
+def run_nodes(script, *args, nodes: int = 2, per_node: int = 2, launcher: list[str] | None = None,
+              env: dict | None = None, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Start `script` as `nodes` emulated nodes on this host: one torchrun launch per node (--nnodes)."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    procs = [
+        subprocess.Popen(
+            [str(c) for c in (*(launcher or torchrun_cmd()), "--nnodes", nodes, "--node-rank", node,
+                              "--nproc-per-node", per_node, "--master-addr", "127.0.0.1", "--master-port", port,
+                              script, *args)],  # fmt: skip
+            env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in range(nodes)
+    ]
+    done = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    finally:
+        for p in procs:
+            p.kill()
+    return done
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,22 +4,22 @@ import threading
 import time
 
 from conftest import run, torchrun_cmd
-from trainaccel.comm import hooks
+from trainaccel.comm import exit_guard
 
 
 def test_exit_drain_waits_for_release_by_another_thread():
     def callback():
         pass
 
-    hooks._track(callback)
+    exit_guard.track(callback)
     holder = [callback]
     del callback
-    assert len(hooks._unreleased_callbacks) == 1
+    assert len(exit_guard._unreleased_callbacks) == 1
     releaser = threading.Timer(0.1, holder.clear)  # as Gloo's thread drops the callback after running it
     releaser.start()
     started = time.monotonic()
-    hooks._wait_for_callback_release()
-    assert not hooks._unreleased_callbacks
+    exit_guard._wait_for_callback_release()
+    assert not exit_guard._unreleased_callbacks
     assert time.monotonic() - started >= 0.09
     releaser.join()
 
@@ -28,26 +28,26 @@ def test_exit_drain_gives_up_after_its_timeout():
     def callback():
         pass
 
-    hooks._track(callback)
+    exit_guard.track(callback)
     started = time.monotonic()
-    hooks._wait_for_callback_release(timeout_s=0.05)
+    exit_guard._wait_for_callback_release(timeout_s=0.05)
     assert 0.05 <= time.monotonic() - started < 1.0
     del callback
-    assert not hooks._unreleased_callbacks
+    assert not exit_guard._unreleased_callbacks
 
 
 SCRIPT = """
 import sys, torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from trainaccel.comm import hooks, register
+from trainaccel.comm import exit_guard, register
 dist.init_process_group("gloo")
 model = DDP(nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)]), bucket_cap_mb=0.05)
 register(model, compression="fp16")
 sys.setswitchinterval(100)  # hold the GIL: Gloo's thread cannot release the callbacks yet
 model(torch.randn(4, 128)).sum().backward()
-hooks._wait_for_callback_release()
-assert not hooks._unreleased_callbacks, "callbacks still held by the communication thread"
+exit_guard._wait_for_callback_release()
+assert not exit_guard._unreleased_callbacks, "callbacks still held by the communication thread"
 """
 
 

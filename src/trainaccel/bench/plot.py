@@ -28,8 +28,9 @@ def plot_train(summary: dict[str, dict], title: str, path: str | Path) -> None:
     medians = [summary[a]["median"] for a in arms]
     low = [summary[a]["median"] - summary[a]["min"] for a in arms]
     high = [summary[a]["max"] - summary[a]["median"] for a in arms]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(arms, medians, yerr=[low, high], capsize=6, color=["#888888", "#1f77b4", "#2ca02c"][: len(arms)])
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(arms)), 4))
+    palette = ["#888888", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#8c564b"]
+    ax.bar(arms, medians, yerr=[low, high], capsize=6, color=[palette[i % len(palette)] for i in range(len(arms))])
     ax.set_ylabel("examples/s per worker (median, min-max)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()

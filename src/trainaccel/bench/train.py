@@ -30,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:OPTIONS",
+        help="an extra trainaccel arm with its own options, e.g. 'fp16+hier:compression=fp16,hierarchical=on' "
+        "(repeatable; run interleaved with the other arms)",
+    )
+    parser.add_argument(
         "--emulate",
         metavar="SPEC",
         help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root)",
@@ -49,6 +57,31 @@ def _arms(text: str) -> list[str]:
     return arms
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`LABEL:opt=value,...` -> (label, options), each option checked as trainaccel checks it."""
+    label, sep, rest = text.partition(":")
+    label = label.strip()
+    if not sep or not label or label in ARMS or any(c.isspace() for c in label):
+        raise ValueError(
+            f"invalid --variant {text!r}; accepted: LABEL:option=value,... with a label other than {', '.join(ARMS)}"
+        )
+    options: dict[str, str] = {}
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or name not in Config.option_names():
+            raise ValueError(
+                f"invalid option {item!r} in --variant {label}; accepted: option=value with options "
+                f"{', '.join(Config.option_names())}"
+            )
+        options[name] = value.strip()
+    try:
+        config = Config.resolve(env={}, flags=options)
+    except ConfigError as e:
+        raise ValueError(f"--variant {label}: {e}") from None
+    return label, {name: str(getattr(config, name)) for name in options}
+
+
 def _check(args: argparse.Namespace) -> None:
     for flag in ("image_size", "batch_size", "repeats", "nproc_per_node"):
         if getattr(args, flag) < 1:
@@ -60,6 +93,7 @@ def _check(args: argparse.Namespace) -> None:
 def _run_arm(
     arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, cluster: EmulatedCluster | None, port: int
 ) -> dict:
+    """Run one arm; `arm` is baseline, local, or trainaccel (also for variants, with their options)."""
     if arm == "trainaccel":
         launcher, env = [*TRAINACCEL_RUN, *(f"{Config.flag_name(k)}={v}" for k, v in options.items())], dict(os.environ)
     else:
@@ -76,7 +110,7 @@ def _run_arm(
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Median and spread per arm; ratios to the baseline are paired by repeat, then the median taken."""
     summary = {}
-    base = runs.get("baseline")
+    base, local = runs.get("baseline"), runs.get("local")
     for arm, results in runs.items():
         rates = [r["examples_per_s_per_worker"] for r in results]
         entry = {
@@ -93,6 +127,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             entry["ratio_vs_baseline"] = statistics.median(
                 r / b["examples_per_s_per_worker"] for r, b in zip(rates, base)
             )
+        if local:
+            entry["share_of_local"] = statistics.median(
+                r / b["examples_per_s_per_worker"] for r, b in zip(rates, local)
+            )
         summary[arm] = entry
     return summary
 
@@ -102,15 +140,17 @@ def render(summary: dict[str, dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("arm", "examples/s per worker", "min - max", "vs baseline", "bytes sent/step", "peak memory"):
+    columns = ["arm", "examples/s per worker", "min - max", "vs baseline", "of local", "bytes sent/step", "peak memory"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     for arm, s in summary.items():
-        ratio = s.get("ratio_vs_baseline")
+        ratio, share = s.get("ratio_vs_baseline"), s.get("share_of_local")
         table.add_row(
             arm,
             f"{s['median']:.1f}",
             f"{s['min']:.1f} - {s['max']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
+            "-" if share is None else f"{share:.0%}",
             f"{s['bytes_per_step'] / 2**20:.1f} MiB",
             f"{s['peak_memory_bytes'] / 2**20:.0f} MiB",
         )
@@ -123,6 +163,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
         arms = _arms(args.arms)
+        variants = dict(parse_variant(v) for v in args.variant)
+        if len(variants) != len(args.variant):
+            raise ValueError("each --variant needs its own label")
         emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
         flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
         config = Config.resolve(flags=flags)
@@ -132,16 +175,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
         return 2
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
-    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    arm_options = {arm: options for arm in arms} | variants
+    runs: dict[str, list[dict]] = {arm: [] for arm in arm_options}
     try:
         with bench_session(emulation) as (tmp, cluster), Progress(transient=True) as progress:
-            task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(arms))
+            task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(runs))
             for repeat in range(args.repeats):
-                for i, arm in enumerate(arms):  # interleaved: drift on a shared machine hits every arm alike
+                for i, arm in enumerate(runs):  # interleaved: drift on a shared machine hits every arm alike
                     progress.update(task, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
-                    out = tmp / f"{arm}-{repeat}.json"
-                    port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
-                    runs[arm].append(_run_arm(arm, args, options, out, cluster, port))
+                    out = tmp / f"arm{i}-{repeat}.json"
+                    port = 29500 + repeat * len(runs) + i  # a fresh port: no TIME_WAIT from the last run
+                    kind = arm if arm in ARMS else "trainaccel"
+                    runs[arm].append(_run_arm(kind, args, arm_options[arm], out, cluster, port))
                     progress.advance(task)
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
@@ -166,6 +211,7 @@ def main(args: argparse.Namespace) -> int:
         report = {
             **report_header("train", args),
             "trainaccel_config": config.describe(),
+            "arm_options": {arm: arm_options[arm] for arm in runs if arm not in ("baseline", "local")},
             "arms": summary,
         }
         Path(args.json).write_text(json.dumps(report, indent=2))

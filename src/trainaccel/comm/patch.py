@@ -11,7 +11,9 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
-from trainaccel.comm.hooks import CommState, Pipeline, guard_exit, trainaccel_comm_hook
+from trainaccel.comm.exit_guard import guard_exit
+from trainaccel.comm.hierarchical import HierarchicalReduce
+from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.powersgd import powersgd_state
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
@@ -60,10 +62,10 @@ def build_state(process_group: Any, config: Config, param_names: dict[int, str] 
     topology = discover(process_group) if wanted else None
     why_flat = topology.why_flat() if topology is not None else None
     if topology is not None and why_flat is None:
-        state.topology, state.pipeline = topology, Pipeline()
-        state.intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale)
-        if state.intra_codec.lossy:
-            state.intra_feedback = ErrorFeedback()
+        intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale)
+        intra_feedback = ErrorFeedback() if intra_codec.lossy else None
+        state.hierarchy = HierarchicalReduce(topology, state.codec, state.feedback, intra_codec, intra_feedback)
+        state.feedback = None  # the hierarchy applies it across nodes
         _info_once(
             f"hierarchical allreduce: {topology.num_nodes} nodes x {topology.local_size} workers, "
             f"{config.compression} across nodes, {config.intra_compression} within"

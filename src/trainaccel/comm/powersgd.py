@@ -6,13 +6,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-# torch refuses fewer with error feedback or warm start on: step 1 is a plain allreduce, which
-# also lets DDP rebuild its buckets before PowerSGD keeps per-bucket state.
+# Plain allreduce for the first START_STEP steps (torch refuses fewer with error feedback or
+# warm start on); it also lets DDP rebuild its buckets before PowerSGD keeps per-bucket state.
 START_STEP = 2
 
 
 def powersgd_state(process_group: dist.ProcessGroup | None, rank: int, seed: int = 0) -> PowerSGDState:
-    """PowerSGD of `rank` with error feedback and warm start, compressing from step `START_STEP`."""
+    """PowerSGD of `rank` with error feedback and warm start, compressing after `START_STEP` steps."""
     return PowerSGDState(
         process_group=process_group,
         matrix_approximation_rank=rank,

@@ -17,8 +17,9 @@ class Topology:
     world_size: int
     nodes: tuple[tuple[int, ...], ...]  # global ranks per node, nodes ordered by their lowest rank
     node_index: int
-    intra_group: dist.ProcessGroup | None = None
-    inter_group: dist.ProcessGroup | None = None
+    intra_group: dist.ProcessGroup | None = None  # this node's workers
+    gather_group: dist.ProcessGroup | None = None  # the same workers again, for the last stage
+    inter_group: dist.ProcessGroup | None = None  # the workers with this local index on every node
 
     @property
     def num_nodes(self) -> int:
@@ -84,8 +85,11 @@ def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
     if topology.num_nodes > 1 and topology.uniform and topology.local_size > 1:
         # new_group is collective over the whole world: every rank builds every group, in order.
         intra = [dist.new_group(list(ranks)) for ranks in nodes]
+        gather = [dist.new_group(list(ranks)) for ranks in nodes]
         inter = [dist.new_group([ranks[i] for ranks in nodes]) for i in range(topology.local_size)]
         local_index = nodes[node_index].index(rank)
-        topology = dataclasses.replace(topology, intra_group=intra[node_index], inter_group=inter[local_index])
+        topology = dataclasses.replace(
+            topology, intra_group=intra[node_index], gather_group=gather[node_index], inter_group=inter[local_index]
+        )
     _cache[:] = [(world, topology)]
     return topology

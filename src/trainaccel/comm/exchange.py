@@ -1,0 +1,41 @@
+"""One codec-encoded sum over a process group: allreduce of summable payloads, else allgather and decode."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainaccel.comm.codecs import Codec, ErrorFeedback
+from trainaccel.comm.exit_guard import track
+
+# torch 2.13 renamed the tensor forms of these collectives; older releases have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def exchange(
+    codec: Codec, feedback: ErrorFeedback | None, tensor: torch.Tensor, key: object, group: dist.ProcessGroup
+) -> tuple[torch.futures.Future[torch.Tensor], int]:
+    """Start summing `tensor` over `group` through `codec`; returns the future and the payload bytes."""
+    if feedback is not None:
+        tensor = feedback.correct(key, tensor)
+    payload, ctx = codec.compress(tensor)
+    if feedback is not None:
+        feedback.update(key, tensor, codec.decompress(payload, ctx))
+    sent = payload.numel() * payload.element_size()
+    if codec.summable:
+        fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
+        return fut.then(track(lambda fut: codec.decompress(fut.value()[0], ctx))), sent
+    size = dist.get_world_size(group)
+    gathered = payload.new_empty(size * payload.numel())
+    fut = all_gather_single(gathered, payload, group=group, async_op=True).get_future()
+
+    def decode_sum(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()
+        parts = gathered.chunk(size)
+        total = codec.decompress(parts[0], ctx)
+        for part in parts[1:]:
+            total += codec.decompress(part, ctx)
+        return total
+
+    return fut.then(track(decode_sum)), sent
