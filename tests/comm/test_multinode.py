@@ -66,7 +66,8 @@ def test_powersgd_exact_for_low_rank_and_a_projection_otherwise(ranks):
 # feedback topk 10% 0.66, topk 1% 0.94, randomk 0.90). The bounds leave room for other torch builds.
 @pytest.mark.parametrize(
     "name, bound", [("fp16", 1e-4), ("topk", 0.15), ("topk_1%", 0.65), ("topk_hierarchical", 0.15),
-                    ("randomk", 0.3), ("powersgd", 0.2)],  # fmt: skip
+                    ("randomk", 0.3), ("powersgd", 0.2), ("powersgd_buckets", 0.2),
+                    ("hierarchical_buckets", 1e-6)],  # fmt: skip
 )
 def test_error_feedback_tracks_the_exact_sum(ranks, name, bound):
     for r in ranks:

@@ -54,8 +54,8 @@ def applied(model: DDP, rank: int, step: int, kind: str = "random") -> torch.Ten
     return torch.cat([model.module.vector.grad, model.module.matrix.grad.flatten()])
 
 
-def fresh(**options) -> tuple[DDP, object]:
-    model = DDP(Grads())
+def fresh(bucket_cap_mb: float | None = None, **options) -> tuple[DDP, object]:
+    model = DDP(Grads(), bucket_cap_mb=bucket_cap_mb)
     return model, register(model, **options)
 
 
@@ -130,6 +130,9 @@ for name, options in {
     "topk_hierarchical": dict(compression="topk", compression_ratio=0.1, hierarchical="on"),
     "randomk": dict(compression="randomk", compression_ratio=0.1),
     "powersgd": dict(compression="powersgd", powersgd_rank=2),
+    # Several buckets in flight at once (torch's PowerSGD hook alone can deadlock Gloo here).
+    "powersgd_buckets": dict(compression="powersgd", powersgd_rank=2, bucket_cap_mb=0.01),
+    "hierarchical_buckets": dict(hierarchical="on", bucket_cap_mb=0.01),
 }.items():
     model, state = fresh(**options)
     total_applied = torch.zeros(N + ROWS * COLS)
@@ -139,7 +142,7 @@ for name, options in {
         total_exact += exact_mean(world, step, "drift")
     entry = {"rel_err": ((total_applied - total_exact).norm() / total_exact.norm()).item()}
     entry["hierarchical"] = state.hierarchical
-    if options["compression"] in ("topk", "randomk") and "hierarchical" not in options:
+    if options.get("compression") in ("topk", "randomk") and "hierarchical" not in options:
         codec = get_codec(options["compression"], ratio=options["compression_ratio"])
         total_plain = torch.zeros_like(total_applied)
         for step in range(1, STEPS + 1):

@@ -1,16 +1,25 @@
-"""trainaccel's communication engine: DDP hooks, codecs, and the DDP patch behind `init()`."""
+"""trainaccel's communication engine: DDP hooks, codecs, hierarchy, local steps, and the DDP patch behind `init()`."""
 
-from trainaccel.comm.codecs import CastCompression, Codec, NoCompression, get_codec
+from trainaccel.comm.codecs import CastCompression, Codec, ErrorFeedback, NoCompression, RandomK, TopK, get_codec
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
-from trainaccel.comm.patch import bytes_per_step, comm_state, patch_ddp, register, unpatch_ddp
+from trainaccel.comm.local_steps import LocalSteps
+from trainaccel.comm.patch import build_state, bytes_per_step, comm_state, patch_ddp, register, unpatch_ddp
+from trainaccel.comm.topology import Topology, discover
 
 __all__ = [
+    "build_state",
     "bytes_per_step",
     "CastCompression",
     "Codec",
     "CommState",
+    "ErrorFeedback",
+    "LocalSteps",
     "NoCompression",
+    "RandomK",
+    "Topology",
+    "TopK",
     "comm_state",
+    "discover",
     "get_codec",
     "patch_ddp",
     "register",

@@ -92,21 +92,27 @@ class TopK:
 
 
 class RandomK:
-    """Send every N-th element (N = 1/ratio) from an offset drawn per call from a seed all workers share.
+    """Send every N-th element (N = 1/ratio) from an offset drawn from a seed all workers share.
 
-    Every worker picks the same elements, so payloads can be summed by allreduce (the seed's
-    "gossip" downsampling). Workers must call `compress` in the same order, as DDP buckets are.
+    Every worker picks the same elements, so payloads can be summed by allreduce (gossip-style
+    downsampling). Offsets are drawn as shuffled rounds of 0..N-1, so each element is sent once
+    every N calls on its buffer and its residual never waits longer than 2N-1 steps.
+    Workers must call `compress` in the same order, as they do for DDP buckets.
     """
 
     name, summable, lossy = "randomk", True, True
 
     def __init__(self, ratio: float, seed: int = 0):
         self.stride = max(1, round(1.0 / ratio))
-        self._offsets = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._rounds: dict[int, list[int]] = {}  # per buffer size: offsets left in the current round
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         n = tensor.numel()
-        offset = int(torch.randint(min(self.stride, n), (1,), generator=self._offsets))
+        left = self._rounds.setdefault(n, [])
+        if not left:
+            left.extend(torch.randperm(min(self.stride, n), generator=self._generator).tolist())
+        offset = left.pop()
         return tensor[offset :: self.stride].clone(), (n, offset)
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:

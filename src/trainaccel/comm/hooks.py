@@ -11,7 +11,7 @@ import torch.distributed as dist
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import exchange
 from trainaccel.comm.exit_guard import track
-from trainaccel.comm.hierarchical import HierarchicalReduce
+from trainaccel.comm.hierarchical import HierarchicalReduce, StagedPipeline
 from trainaccel.comm.powersgd import PowerSGDState, powersgd_reduce
 
 log = logging.getLogger("trainaccel")
@@ -33,6 +33,7 @@ class CommState:
     feedback: ErrorFeedback | None = None
     hierarchy: HierarchicalReduce | None = None
     powersgd: PowerSGDState | None = None
+    pipeline: StagedPipeline = dataclasses.field(default_factory=lambda: StagedPipeline(1))  # runs powersgd
     flat_bytes_sent: int = 0
     steps: int = 0
 
@@ -56,8 +57,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     if bucket.is_last():
         state.steps += 1
     if state.powersgd is not None:
-        fut, sent = powersgd_reduce(state.powersgd, bucket)  # divides by the world size itself
-        state.flat_bytes_sent += sent
+        fut = state.pipeline.submit([lambda b: _powersgd_bucket(state, b)], bucket)
     else:
         # Dividing before the reduction keeps fp16 sums from overflowing.
         buffer = bucket.buffer().div_(dist.get_world_size(group))
@@ -75,6 +75,12 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         return result
 
     return fut.then(track(check))
+
+
+def _powersgd_bucket(state: CommState, bucket: dist.GradBucket) -> torch.Tensor:
+    result, sent = powersgd_reduce(state.powersgd, bucket)  # divides by the world size itself
+    state.flat_bytes_sent += sent
+    return result
 
 
 def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tensor) -> None:

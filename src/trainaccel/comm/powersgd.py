@@ -23,11 +23,16 @@ def powersgd_state(process_group: dist.ProcessGroup | None, rank: int, seed: int
     )
 
 
-def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torch.futures.Future, int]:
-    """Run torch's PowerSGD hook on one bucket; also return the bytes it hands to allreduce."""
+def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torch.Tensor, int]:
+    """Run torch's PowerSGD hook on one bucket to completion; returns the result and the bytes sent.
+
+    The hook waits for its second allreduce inside the first one's callback, on a c10d thread.
+    With several buckets in flight on Gloo, those waits can take every thread and deadlock, so
+    callers run one bucket at a time on a thread of their own (see `trainaccel_comm_hook`).
+    """
     buffer = bucket.buffer()
     compressing = state.iter >= state.start_powerSGD_iter
     before = state.total_numel_after_compression
-    fut = powerSGD_hook(state, bucket)
+    result = powerSGD_hook(state, bucket).wait()
     numel = state.total_numel_after_compression - before if compressing else buffer.numel()
-    return fut, numel * buffer.element_size()
+    return result, numel * buffer.element_size()
