@@ -77,6 +77,10 @@ class TopK:
         out[payload[k:].view(torch.int32).long()] = payload[:k].to(dtype)
         return out
 
+    def zero_sent(self, tensor: torch.Tensor, payload: torch.Tensor, ctx: Any) -> None:
+        """Zero the elements of `tensor` this payload carries (cheaper than subtracting a dense decode)."""
+        tensor[payload[payload.numel() // 2 :].view(torch.int32).long()] = 0
+
     def _top_indices(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
         n = magnitude.numel()
         if k * 8 > n or n < 65536:
@@ -121,6 +125,10 @@ class RandomK:
         out[offset :: self.stride] = payload
         return out
 
+    def zero_sent(self, tensor: torch.Tensor, payload: torch.Tensor, ctx: Any) -> None:
+        """Zero the elements of `tensor` this payload carries."""
+        tensor[ctx[1] :: self.stride] = 0
+
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk")
 
@@ -153,7 +161,8 @@ class ErrorFeedback:
         self.residuals: dict[Any, torch.Tensor] = {}
         self.velocities: dict[Any, torch.Tensor] = {}
 
-    def correct(self, key: Any, tensor: torch.Tensor) -> torch.Tensor:
+    def correct(self, key: Any, tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """The residual buffer for `key`, with `scale * tensor` added in (the input is not changed)."""
         residual = self.residuals.get(key)
         if residual is None or residual.shape != tensor.shape:  # DDP rebuilds its buckets once
             residual = self.residuals[key] = torch.zeros_like(tensor)
@@ -162,12 +171,19 @@ class ErrorFeedback:
             velocity = self.velocities.get(key)
             if velocity is None:
                 velocity = self.velocities[key] = torch.zeros_like(tensor)
-            velocity.mul_(self.momentum).add_(tensor)
+            velocity.mul_(self.momentum).add_(tensor, alpha=scale)
             return residual.add_(velocity)
-        return residual.add_(tensor)
+        return residual.add_(tensor, alpha=scale)
 
-    def update(self, key: Any, corrected: torch.Tensor, sent: torch.Tensor) -> None:
-        """`corrected` is the tensor `correct` returned; `sent` is what the local payload decodes to."""
+    def update(self, key: Any, corrected: torch.Tensor, codec: Codec, payload: torch.Tensor, ctx: Any) -> None:
+        """Keep in `corrected` (the buffer `correct` returned) what `payload` did not carry."""
+        zero_sent = getattr(codec, "zero_sent", None)
+        if zero_sent is not None:  # sparse codecs send some elements exactly and nothing of the rest
+            zero_sent(corrected, payload, ctx)
+            if self.momentum:
+                zero_sent(self.velocities[key], payload, ctx)
+            return
+        sent = codec.decompress(payload, ctx)
         if self.momentum:
             self.velocities[key].masked_fill_(sent != 0, 0.0)
-        corrected.sub_(sent)  # `corrected` is the residual buffer itself
+        corrected.sub_(sent)

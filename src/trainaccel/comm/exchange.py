@@ -14,14 +14,24 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 def exchange(
-    codec: Codec, feedback: ErrorFeedback | None, tensor: torch.Tensor, key: object, group: dist.ProcessGroup
+    codec: Codec,
+    feedback: ErrorFeedback | None,
+    tensor: torch.Tensor,
+    key: object,
+    group: dist.ProcessGroup,
+    scale: float = 1.0,
 ) -> tuple[torch.futures.Future[torch.Tensor], int]:
-    """Start summing `tensor` over `group` through `codec`; returns the future and the payload bytes."""
+    """Start summing `scale * tensor` over `group` through `codec`; returns the future and the payload bytes.
+
+    `tensor` may be scaled in place.
+    """
     if feedback is not None:
-        tensor = feedback.correct(key, tensor)
+        tensor = feedback.correct(key, tensor, scale)  # one pass: scaled into the residual
+    elif scale != 1.0:
+        tensor = tensor.mul_(scale)
     payload, ctx = codec.compress(tensor)
     if feedback is not None:
-        feedback.update(key, tensor, codec.decompress(payload, ctx))
+        feedback.update(key, tensor, codec, payload, ctx)
     sent = payload.numel() * payload.element_size()
     if codec.summable:
         fut = dist.all_reduce(payload, group=group, async_op=True).get_future()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression
 from trainaccel.comm.exchange import all_gather_single, exchange, reduce_scatter_single
+from trainaccel.comm.exit_guard import track
 from trainaccel.comm.topology import Topology
 
 Stage = Callable[[Any], Any]
@@ -70,11 +71,15 @@ class HierarchicalReduce:
         feedback: ErrorFeedback | None = None,
         intra_codec: Codec | None = None,
         intra_feedback: ErrorFeedback | None = None,
+        chunk_mb: float = 4.0,
     ):
         if topology.why_flat() is not None:
             raise ValueError(f"no hierarchy to reduce over: {topology.why_flat()}")
         self.topology, self.codec, self.feedback = topology, codec, feedback
         self.intra_codec, self.intra_feedback = intra_codec or NoCompression(), intra_feedback
+        # Buffers cross the pipeline in chunks, so that one chunk crosses nodes while the next
+        # is summed in the node: with whole DDP buckets the link idles during the intra stages.
+        self.chunk_mb = chunk_mb
         self.bytes_sent = 0  # across nodes
         self.intra_bytes_sent = 0
         self._pipeline = StagedPipeline(3)
@@ -84,12 +89,25 @@ class HierarchicalReduce:
 
     def submit(self, buffer: torch.Tensor, key: Any) -> torch.futures.Future[torch.Tensor]:
         """Start summing `buffer` (in place); the future's value is `buffer` holding the sum."""
+        chunk = max(1, int(self.chunk_mb * 2**20) // buffer.element_size())
+        futures = [self._submit_chunk(part, (key, i)) for i, part in enumerate(buffer.split(chunk))]
+        if len(futures) == 1:
+            return futures[0]  # its value is the one chunk: all of `buffer`
+
+        def whole(fut: torch.futures.Future) -> torch.Tensor:
+            for part in fut.value():
+                part.wait()  # raises the first chunk's error, if any
+            return buffer
+
+        return torch.futures.collect_all(futures).then(track(whole))
+
+    def _submit_chunk(self, part: torch.Tensor, key: Any) -> torch.futures.Future[torch.Tensor]:
         stages = [
             lambda b: self._sum_in_node(b, key),
             lambda shard: self._sum_across_nodes(shard, key),
-            lambda shard: self._gather_in_node(shard, buffer),
+            lambda shard: self._gather_in_node(shard, part),
         ]
-        return self._pipeline.submit(stages, buffer)
+        return self._pipeline.submit(stages, part)
 
     def _sum_in_node(self, buffer: torch.Tensor, key: Any) -> torch.Tensor:
         local_size, n = self.topology.local_size, buffer.numel()
@@ -98,7 +116,7 @@ class HierarchicalReduce:
         full = padded if self.intra_feedback is None else self.intra_feedback.correct(key, padded)
         payload, ctx = self.intra_codec.compress(full)
         if self.intra_feedback is not None:
-            self.intra_feedback.update(key, full, self.intra_codec.decompress(payload, ctx))
+            self.intra_feedback.update(key, full, self.intra_codec, payload, ctx)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
         local_index = self.topology.nodes[self.topology.node_index].index(self.topology.rank)
         if self._scatter_by_allreduce:

@@ -60,11 +60,11 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         fut = state.pipeline.submit([lambda b: _powersgd_bucket(state, b)], bucket)
     else:
         # Dividing before the reduction keeps fp16 sums from overflowing.
-        buffer = bucket.buffer().div_(dist.get_world_size(group))
+        buffer, world = bucket.buffer(), dist.get_world_size(group)
         if state.hierarchy is not None:
-            fut = state.hierarchy.submit(buffer, bucket.index())
+            fut = state.hierarchy.submit(buffer.div_(world), bucket.index())
         else:
-            fut, sent = exchange(state.codec, state.feedback, buffer, bucket.index(), group)
+            fut, sent = exchange(state.codec, state.feedback, buffer, bucket.index(), group, scale=1.0 / world)
             state.flat_bytes_sent += sent
     if state.nan_check == "off":
         return fut
