@@ -3,7 +3,8 @@
 A codec sees a flat gradient buffer already divided by the world size. When `summable`, the
 payloads of all workers are summed by allreduce and decoded once; otherwise each worker's
 payload is gathered, decoded and the results summed. What a lossy codec drops is kept by
-`ErrorFeedback` and added into the next step.
+`ErrorFeedback` and added into the next step. Sparse codecs also offer `accumulate` (add a
+decoded payload into a tensor) and `zero_sent`, which spare full-size temporaries.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ class TopK:
         """Zero the elements of `tensor` this payload carries (cheaper than subtracting a dense decode)."""
         tensor[payload[payload.numel() // 2 :].view(torch.int32).long()] = 0
 
+    def accumulate(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
+        """Add the decoded payload into `out`."""
+        k = payload.numel() // 2
+        out.index_add_(0, payload[k:].view(torch.int32).long(), payload[:k].to(out.dtype))
+
     def _top_indices(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
         n = magnitude.numel()
         if k * 8 > n or n < 65536:
@@ -128,6 +134,10 @@ class RandomK:
     def zero_sent(self, tensor: torch.Tensor, payload: torch.Tensor, ctx: Any) -> None:
         """Zero the elements of `tensor` this payload carries."""
         tensor[ctx[1] :: self.stride] = 0
+
+    def accumulate(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
+        """Add the decoded payload into `out`."""
+        out[ctx[1] :: self.stride] += payload
 
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk")

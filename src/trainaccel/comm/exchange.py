@@ -20,10 +20,12 @@ def exchange(
     key: object,
     group: dist.ProcessGroup,
     scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.futures.Future[torch.Tensor], int]:
     """Start summing `scale * tensor` over `group` through `codec`; returns the future and the payload bytes.
 
-    `tensor` may be scaled in place.
+    `tensor` may be scaled in place. A codec with `accumulate` decodes into `out` when given
+    (a tensor of `tensor`'s shape whose values are no longer needed) instead of a new tensor.
     """
     if feedback is not None:
         tensor = feedback.correct(key, tensor, scale)  # one pass: scaled into the residual
@@ -33,19 +35,23 @@ def exchange(
     if feedback is not None:
         feedback.update(key, tensor, codec, payload, ctx)
     sent = payload.numel() * payload.element_size()
-    if codec.summable:
-        fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
-        return fut.then(track(lambda fut: codec.decompress(fut.value()[0], ctx))), sent
-    size = dist.get_world_size(group)
-    gathered = payload.new_empty(size * payload.numel())
-    fut = all_gather_single(gathered, payload, group=group, async_op=True).get_future()
+    accumulate = getattr(codec, "accumulate", None) if out is not None else None
 
-    def decode_sum(fut: torch.futures.Future) -> torch.Tensor:
-        fut.wait()
-        parts = gathered.chunk(size)
+    def decode(parts: list[torch.Tensor]) -> torch.Tensor:
+        if accumulate is not None:
+            out.zero_()
+            for part in parts:
+                accumulate(part, ctx, out)
+            return out
         total = codec.decompress(parts[0], ctx)
         for part in parts[1:]:
             total += codec.decompress(part, ctx)
         return total
 
-    return fut.then(track(decode_sum)), sent
+    if codec.summable:
+        fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
+        return fut.then(track(lambda fut: decode([fut.value()[0]]))), sent
+    size = dist.get_world_size(group)
+    gathered = payload.new_empty(size * payload.numel())
+    fut = all_gather_single(gathered, payload, group=group, async_op=True).get_future()
+    return fut.then(track(lambda fut: decode(list(gathered.chunk(size))))), sent

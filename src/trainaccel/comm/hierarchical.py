@@ -128,7 +128,8 @@ class HierarchicalReduce:
         return self.intra_codec.decompress(shard_payload, ctx)
 
     def _sum_across_nodes(self, shard: torch.Tensor, key: Any) -> torch.Tensor:
-        fut, sent = exchange(self.codec, self.feedback, shard, key, self.topology.inter_group)
+        out = shard if self.feedback is not None else None  # folded into the residual: free to reuse
+        fut, sent = exchange(self.codec, self.feedback, shard, key, self.topology.inter_group, out=out)
         self.bytes_sent += sent
         return fut.wait()
 

@@ -64,7 +64,9 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         if state.hierarchy is not None:
             fut = state.hierarchy.submit(buffer.div_(world), bucket.index())
         else:
-            fut, sent = exchange(state.codec, state.feedback, buffer, bucket.index(), group, scale=1.0 / world)
+            # With error feedback the buffer is folded into the residual, so the result may reuse it.
+            out = buffer if state.feedback is not None else None
+            fut, sent = exchange(state.codec, state.feedback, buffer, bucket.index(), group, 1.0 / world, out)
             state.flat_bytes_sent += sent
     if state.nan_check == "off":
         return fut
