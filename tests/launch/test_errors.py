@@ -9,7 +9,15 @@ from conftest import SCRIPTS, run, trainaccel_cmd
     "flags, env, expected",
     [
         ([], {"TRAINACCEL_COMPRESSION": "zip"},
-         "trainaccel run: error: invalid compression='zip' (from TRAINACCEL_COMPRESSION); accepted: none, fp16, bf16"),
+         "trainaccel run: error: invalid compression='zip' (from TRAINACCEL_COMPRESSION); "
+         "accepted: none, fp16, bf16, topk, randomk, powersgd"),
+        (["--compression", "topk", "--compression-ratio", "1.5"], {},
+         "trainaccel run: error: invalid compression_ratio='1.5' (from --compression-ratio); accepted: a number in (0, 1]"),
+        (["--compression", "topk"], {"TRAINACCEL_COMPRESSION_RATIO": "0"},
+         "trainaccel run: error: invalid compression_ratio='0' (from TRAINACCEL_COMPRESSION_RATIO); "
+         "accepted: a number in (0, 1]"),
+        (["--compression", "powersgd", "--powersgd-rank", "0"], {},
+         "trainaccel run: error: invalid powersgd_rank='0' (from --powersgd-rank); accepted: an integer >= 1"),
         (["--bucket-mb", "-1"], {},
          "trainaccel run: error: invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)"),
         (["--nan-check", "sometimes"], {},

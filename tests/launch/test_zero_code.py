@@ -25,10 +25,11 @@ def test_trainaccel_run_registers_the_hook_with_no_code_change(tmp_path):
     output: list[str] = []
     ranks = _train([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2"], tmp_path, output=output)
     config_lines = [line for line in output[0].splitlines() if "trainaccel config:" in line]
+    from trainaccel.config import Config
+
     assert config_lines == [
-        "[trainaccel rank 0] INFO trainaccel config: compression=none hierarchical=auto bucket_mb=None "
-        "nan_check=off log_level=info"
-    ]  # logged once, by rank 0 only
+        f"[trainaccel rank 0] INFO trainaccel config: {Config.resolve(env={}).describe()}"
+    ]  # logged once, by rank 0 only, with every option at its default
     for r in ranks:
         assert r["comm_hook"] == "trainaccel_comm_hook"
         assert r["compression"] == "none" and r["bytes_per_step"] == PARAMS * 4

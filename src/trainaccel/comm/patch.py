@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
@@ -24,7 +25,7 @@ _original_init = None
 _config: Config | None = None
 
 
-def register(ddp_model: DistributedDataParallel, config: Config | None = None, **options: Any) -> CommState:
+def register(ddp_model: DistributedDataParallel, config: Config | None = None, **options: Any) -> CommState | Autotuner:
     """Register trainaccel's communication hook on a DDP model; returns the hook's state.
 
     Options are those of `Config` (keyword > TRAINACCEL_* env > default). Call it on every rank
@@ -36,10 +37,32 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     elif options:
         config = dataclasses.replace(config, **options)
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    if config.autotune == "on":
+        tuner = build_autotuner(ddp_model.process_group, config, param_names)
+        ddp_model.register_comm_hook(tuner, autotune_comm_hook)
+        ddp_model.trainaccel_state = tuner
+        return tuner
     state = build_state(ddp_model.process_group, config, param_names)
     ddp_model.register_comm_hook(state, trainaccel_comm_hook)
     ddp_model.trainaccel_state = state
     return state
+
+
+def build_autotuner(process_group: Any, config: Config, param_names: dict[int, str]) -> Autotuner:
+    """An Autotuner over the candidate reductions for `config` (see `trainaccel.comm.autotune`)."""
+    multi_node = config.hierarchical != "off" and discover(process_group).why_flat() is None
+    candidates = []
+    for label, candidate_config, chunk_mb in candidate_configs(config, multi_node):
+        state = build_state(process_group, candidate_config, param_names)
+        if chunk_mb is not None and state.hierarchy is not None:
+            state.hierarchy.chunk_mb = chunk_mb
+        candidates.append(Candidate(label, state, warmup_steps(candidate_config)))
+    tuner = Autotuner(candidates, process_group)
+    if tuner.chosen is not None:
+        _info_once(f"autotune: one candidate only ({tuner.chosen.label}), nothing to time")
+    else:
+        _info_once(f"autotune: timing {len(candidates)} candidates: {', '.join(c.label for c in candidates)}")
+    return tuner
 
 
 DENSE_CODECS = ("none", "fp16", "bf16")
@@ -81,15 +104,22 @@ _said: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
-    if message not in _said:
+    """Log a fact about the whole job once, from rank 0."""
+    if message not in _said and _is_rank_zero():
         _said.add(message)
         log.warning(message)
 
 
 def _info_once(message: str) -> None:
-    if message not in _said:
+    if message not in _said and _is_rank_zero():
         _said.add(message)
         log.info(message)
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:
@@ -151,4 +181,10 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
         log.info("keeping the communication hook %s registered by the script", existing)
         guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
         return
+    if config.local_steps > 1 and not hasattr(ddp_model, "_trainaccel_local_steps"):
+        _warn_once(
+            f"local_steps={config.local_steps} needs trainaccel.comm.LocalSteps(model, optimizer) in the script: "
+            "without it this model reduces gradients at every backward pass (zero-code mode cannot hold back "
+            "the script's optimizer steps)"
+        )
     register(ddp_model, config)
