@@ -38,14 +38,19 @@ def test_bench_train_baseline_ignores_trainaccel_env(tmp_path):
     out = tmp_path / "bench.json"
     proc = run(
         [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "1",
-         "--batch-size", "2", "--arms", "baseline,trainaccel", "--json", out],
+         "--batch-size", "2", "--arms", "baseline,trainaccel", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
+         "--json", out],
         env={"TRAINACCEL_COMPRESSION": "bf16"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    arms = json.loads(out.read_text())["arms"]
-    assert list(arms) == ["baseline", "trainaccel"]
+    report = json.loads(out.read_text())
+    arms = report["arms"]
+    assert list(arms) == ["baseline", "trainaccel", "sparse"]
     assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4  # plain DDP, untouched by the env
     assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2  # bf16 from the env
+    # The variant's flags beat the env; randomk sends every 4th element of each bucket.
+    assert abs(arms["sparse"]["bytes_per_step"] - MLP_PARAMETERS) <= 16
+    assert report["arm_options"]["sparse"] == {"compression": "randomk", "compression_ratio": "0.25"}
 
 
 def test_bench_train_rejects_bad_arguments():
@@ -53,6 +58,9 @@ def test_bench_train_rejects_bad_arguments():
         (["--arms", "baseline,fast"], "invalid --arms 'baseline,fast'"),
         (["--repeats", "0"], "invalid --repeats 0; accepted: an integer >= 1"),
         (["--compression", "zip"], "invalid compression='zip' (from --compression)"),
+        (["--variant", "local:compression=fp16"], "invalid --variant 'local:compression=fp16'"),
+        (["--variant", "x:compresion=fp16"], "invalid option 'compresion=fp16' in --variant x"),
+        (["--variant", "x:compression_ratio=2"], "--variant x: invalid compression_ratio='2'"),
     ]:
         proc = run([*trainaccel_cmd(), "bench", "train", *args])
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -142,7 +142,7 @@ def render(summary: dict[str, dict], title: str) -> None:
     table = Table(title=title)
     columns = ["arm", "examples/s per worker", "min - max", "vs baseline", "of local", "bytes sent/step", "peak memory"]
     for column in columns:
-        table.add_column(column, justify="left" if column == "arm" else "right")
+        table.add_column(column, justify="left" if column == "arm" else "right", no_wrap=column == "arm")
     for arm, s in summary.items():
         ratio, share = s.get("ratio_vs_baseline"), s.get("share_of_local")
         table.add_row(
@@ -154,7 +154,7 @@ def render(summary: dict[str, dict], title: str) -> None:
             f"{s['bytes_per_step'] / 2**20:.1f} MiB",
             f"{s['peak_memory_bytes'] / 2**20:.0f} MiB",
         )
-    Console().print(table)
+    Console(width=max(100, Console().width)).print(table)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.bench.models import get_model
-from trainaccel.comm import bytes_per_step
+from trainaccel.comm import bytes_per_step, comm_state
 
 ARMS = ("baseline", "trainaccel", "local")
 
@@ -47,6 +47,18 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _bytes_sent(model: DistributedDataParallel) -> int:
+    state = comm_state(model)
+    return state.bytes_sent if state is not None else 0
+
+
+def _timed_bytes_per_step(model: DistributedDataParallel, sent_before: int, timed: int) -> float:
+    """Bytes per timed step from trainaccel's counter (warm-up excluded), else plain DDP's full gradient."""
+    if comm_state(model) is None:
+        return bytes_per_step(model)
+    return (_bytes_sent(model) - sent_before) / timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", choices=ARMS, required=True)
@@ -70,13 +82,14 @@ def main() -> None:
     x = torch.randn(args.batch_size, *spec.example_shape(args.image_size), generator=g).to(device)
     y = torch.randint(0, spec.num_classes, (args.batch_size,), generator=g).to(device)
 
-    started = 0.0
+    started, sent_before = 0.0, 0
     for step in range(args.steps):
         if step == args.warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
             started = time.perf_counter()
+            sent_before = _bytes_sent(model)
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -95,7 +108,7 @@ def main() -> None:
             "world_size": world,
             "examples_per_s_per_worker": args.batch_size * timed / float(elapsed),
             "step_time_s": float(elapsed) / timed,
-            "bytes_per_step": 0.0 if args.arm == "local" else bytes_per_step(model),
+            "bytes_per_step": 0.0 if args.arm == "local" else _timed_bytes_per_step(model, sent_before, timed),
             "peak_memory_bytes": int(peak.item()),
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),

@@ -79,6 +79,11 @@ class Autotuner:
         return self.current.state.bytes_per_step()
 
     @property
+    def bytes_sent(self) -> int:
+        """Cross-node payload bytes of every candidate so far."""
+        return sum(c.state.bytes_sent for c in self.candidates)
+
+    @property
     def hierarchical(self) -> bool:
         return self.current.state.hierarchical
 
