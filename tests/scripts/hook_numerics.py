@@ -45,7 +45,8 @@ for codec in ("none", "fp16", "bf16"):
     state = register(model, compression=codec)
     model(inputs(rank)).backward()
     err = (model.module.weight.grad - exact).abs().max().item()
-    found[codec] = {"max_abs_err": err, "bytes_per_step": state.bytes_per_step(), "steps": state.steps}
+    found[codec] = {"max_abs_err": err, "bytes_per_step": state.bytes_per_step(), "steps": state.steps,
+                    "hook": model._get_ddp_logging_data().get("comm_hook")}  # fmt: skip
 
 # nan_check=raise: a non-finite gradient on one rank fails the step on every rank, naming the parameter.
 model = DDP(Weights())

@@ -28,7 +28,7 @@ torch.manual_seed(0)
 net = nn.Linear(8, 4)
 reference = copy.deepcopy(net)
 model = DDP(net)
-state = register(model)
+state = register(model, nan_check="warn")  # trainaccel's own hook (not DDP's builtin): it counts reductions
 optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 steps = LocalSteps(model, optimizer, every=EVERY)
 syncing = []

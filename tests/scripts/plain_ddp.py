@@ -36,6 +36,7 @@ result = {
     "world_size": dist.get_world_size(),
     "comm_hook": model._get_ddp_logging_data().get("comm_hook"),
     "bucket_bytes_cap": model.bucket_bytes_cap,
+    "trainaccel": state is not None,
     "compression": state.codec.name if state else None,
     "bytes_per_step": state.bytes_per_step() if state else None,
     "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),

@@ -54,7 +54,8 @@ def _bytes_sent(model: DistributedDataParallel) -> int:
 
 def _timed_bytes_per_step(model: DistributedDataParallel, sent_before: int, timed: int) -> float:
     """Bytes per timed step from trainaccel's counter (warm-up excluded), else plain DDP's full gradient."""
-    if comm_state(model) is None:
+    state = comm_state(model)
+    if state is None or getattr(state, "builtin", False):
         return bytes_per_step(model)
     return (_bytes_sent(model) - sent_before) / timed
 

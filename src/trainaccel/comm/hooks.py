@@ -36,6 +36,10 @@ class CommState:
     pipeline: StagedPipeline = dataclasses.field(default_factory=lambda: StagedPipeline(1))  # runs powersgd
     flat_bytes_sent: int = 0
     steps: int = 0
+    # Set by `register` when there is nothing to add to a plain allreduce (no codec, no hierarchy,
+    # no check): DDP's own C++ allreduce runs instead of this hook, with no Python per bucket.
+    builtin: bool = False
+    dense_bytes_per_step: int = 0  # what that allreduce sends per step
 
     @property
     def hierarchical(self) -> bool:
@@ -47,7 +51,9 @@ class CommState:
         return self.flat_bytes_sent + (self.hierarchy.bytes_sent if self.hierarchy is not None else 0)
 
     def bytes_per_step(self) -> float:
-        """Average of `bytes_sent` per step."""
+        """Average of `bytes_sent` per step (for DDP's own allreduce: the gradient's bytes)."""
+        if self.builtin:
+            return float(self.dense_bytes_per_step)
         return self.bytes_sent / self.steps if self.steps else 0.0
 
 
