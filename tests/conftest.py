@@ -29,15 +29,19 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
     )
 
 
-def run_nodes(script, *args, nodes: int = 2, per_node: int = 2, launcher: list[str] | None = None,
+def run_nodes(script, *args, nodes: int = 2, per_node: int | list[int] = 2, launcher: list[str] | None = None,
               env: dict | None = None, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Start `script` as `nodes` emulated nodes on this host: one torchrun launch per node (--nnodes)."""
+    """Start `script` as `nodes` emulated nodes on this host: one torchrun launch per node (--nnodes).
+
+    `per_node` is the workers per node, or a list of them for nodes of different sizes.
+    """
     port = free_port()
+    sizes = per_node if isinstance(per_node, list) else [per_node] * nodes
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     procs = [
         subprocess.Popen(
             [str(c) for c in (*(launcher or torchrun_cmd()), "--nnodes", nodes, "--node-rank", node,
-                              "--nproc-per-node", per_node, "--master-addr", "127.0.0.1", "--master-port", port,
+                              "--nproc-per-node", sizes[node], "--master-addr", "127.0.0.1", "--master-port", port,
                               script, *args)],  # fmt: skip
             env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )

@@ -76,3 +76,23 @@ def test_error_feedback_tracks_the_exact_sum(ranks, name, bound):
         if "rel_err_without_feedback" in e:
             assert e["rel_err"] <= 0.7 * e["rel_err_without_feedback"]
     assert ranks[0]["feedback_topk_hierarchical"]["hierarchical"] is True
+
+
+def test_intra_fp16_within_rounding(ranks):
+    for r in ranks:
+        e = r["intra_fp16"]
+        assert e["hierarchical"] is True
+        # fp16 inside the node (cast, node sum, gather) and across nodes: at most 6 roundings of 2^-11.
+        assert 0 < e["max_abs_err"] <= 6 * 2**-11 * e["max_abs"]
+
+
+def test_uneven_nodes_reduce_flat_with_one_warning(tmp_path):
+    procs = run_nodes(SCRIPTS / "uneven_nodes.py", tmp_path, per_node=[2, 1])
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    ranks = read_ranks(tmp_path, 3)
+    for r in ranks:
+        assert r["nodes"] == [[0, 1], [2]]
+        assert r["hierarchical"] is False and r["max_abs_err"] <= 1e-6
+    log = "".join(p.stdout for p in procs)
+    assert log.count("nodes have different numbers of workers (2, 1)") == 1

@@ -78,6 +78,15 @@ found["fp16_hierarchical"] = {
     "hierarchical": state.hierarchical,
 }
 
+# fp16 inside the node too (intra_compression), full fp16 path: rounding only.
+model, state = fresh(compression="fp16", intra_compression="fp16", hierarchical="on")
+exact = exact_mean(world, 1)
+found["intra_fp16"] = {
+    "max_abs_err": (applied(model, rank, 1) - exact).abs().max().item(),
+    "max_abs": exact.abs().max().item(),
+    "hierarchical": state.hierarchical,
+}
+
 # topk, one step: each rank drops only elements below its k-th largest magnitude tau_r,
 # so |result - exact| <= sum_r tau_r / world elementwise.
 ratio = 0.01
