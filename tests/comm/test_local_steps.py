@@ -16,6 +16,8 @@ def test_every_n_passes_equals_a_large_batch_step_with_one_reduction(tmp_path):
         assert r["hook_steps"] == 2  # 8 passes, every=4: the network is used twice
         assert r["syncing"] == [False, False, False, True] * 2
         assert r["grads_cleared"]
+    log = proc.stdout + proc.stderr
+    assert log.count("local_steps=2 needs trainaccel.comm.LocalSteps") == 1  # zero-code: one warning, rank 0
 
 
 @pytest.mark.parametrize("every", [0, -1, 1.5, True, "4"])

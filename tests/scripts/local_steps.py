@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import trainaccel
 from trainaccel.comm import LocalSteps, register
 
 EVERY, PASSES, LR = 4, 8, 0.1
@@ -47,6 +48,13 @@ for step in range(PASSES // EVERY):
     with torch.no_grad():
         for p in reference.parameters():
             p -= LR * p.grad
+
+# Zero-code mode cannot accumulate: a model built after init(local_steps=2) without LocalSteps
+# still trains (reducing at every pass) and rank 0 says so once.
+trainaccel.init(local_steps=2)
+plain = DDP(nn.Linear(8, 4))
+for i in range(2):
+    nn.functional.mse_loss(plain(batch(rank, i)[0]), batch(rank, i)[1]).backward()
 
 error = max((a - b).abs().max().item() for a, b in zip(net.parameters(), reference.parameters()))
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:

@@ -49,6 +49,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         state.builtin = True
         state.dense_bytes_per_step = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
         ddp_model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        guard_exit()  # Gloo's threads can still be finishing at exit: the same short wait as for our hook
     else:
         ddp_model.register_comm_hook(state, trainaccel_comm_hook)
     ddp_model.trainaccel_state = state
