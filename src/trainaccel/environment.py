@@ -6,12 +6,13 @@ import os
 from collections.abc import MutableMapping
 
 # torch name -> launcher variables that carry it, first match wins.
-# Open MPI (mpirun), PMI (MPICH, Intel MPI, Slurm's PMI), MPICH/Hydra's local ids.
+# Open MPI (mpirun), PMI (MPICH, Intel MPI, Slurm's PMI), MPICH/Hydra's local ids,
+# and Horovod's own launcher (horovodrun with Gloo).
 MPI_VARIABLES: dict[str, tuple[str, ...]] = {
-    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK"),
-    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
-    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
-    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HOROVOD_SIZE"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "HOROVOD_LOCAL_RANK"),
+    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "HOROVOD_LOCAL_SIZE"),
 }
 
 

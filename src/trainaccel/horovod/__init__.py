@@ -1,0 +1,29 @@
+"""Horovod's PyTorch API on torch.distributed: change `import horovod.torch as hvd` to this module.
+
+Launch with `trainaccel run` (or torchrun, mpirun, horovodrun). This version has setup and
+topology, allreduce, allgather, broadcast, barrier and object collectives with their async
+and in-place forms, and Horovod's mismatch errors. The other parts of the API (alltoall,
+reducescatter, join, grouped ops, DistributedOptimizer, elastic) come next.
+"""
+
+from trainaccel.horovod.basics import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
+    is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+    rocm_built, shutdown, size,
+)  # fmt: skip
+from trainaccel.horovod.compression import Compression
+from trainaccel.horovod.ops import (
+    Adasum, Average, Handle, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async, allgather_object,
+    allreduce, allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
+    broadcast_async_, broadcast_object, poll, synchronize,
+)  # fmt: skip
+
+__all__ = [
+    "Adasum", "Average", "Compression", "Handle", "Max", "Min", "Product", "ReduceOp", "Sum",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+    "gloo_enabled", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "rocm_built", "shutdown", "size",
+    "synchronize",
+]  # fmt: skip

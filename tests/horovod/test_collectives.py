@@ -1,0 +1,40 @@
+"""trainaccel.horovod on 2 and 3 real Gloo workers under `trainaccel run`."""
+
+import pytest
+
+from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_collectives_and_errors(tmp_path, workers):
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
+                SCRIPTS / "horovod_collectives.py", tmp_path, workers])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = read_ranks(tmp_path, workers)
+    for r in ranks:
+        assert r["failures"] == []
+    # Every rank raised the same error, naming each rank's shape.
+    messages = {r["errors"]["shape mismatch"] for r in ranks}
+    assert len(messages) == 1
+    assert "rank 0 (2,), rank 1 (3,)" in messages.pop()
+
+
+def test_single_process_is_a_job_of_one():
+    code = (
+        "import torch, trainaccel.horovod as hvd; hvd.init(); "
+        "assert (hvd.size(), hvd.rank(), hvd.local_size()) == (1, 0, 1); "
+        "assert torch.equal(hvd.allreduce(torch.ones(2)), torch.ones(2)); "
+        "assert torch.equal(hvd.allgather(torch.ones(2, 1)), torch.ones(2, 1)); hvd.shutdown(); "
+        "assert not hvd.is_initialized()"
+    )
+    import sys
+
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_calls_before_init_say_so():
+    import trainaccel.horovod as hvd
+
+    with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
+        hvd.size()

@@ -1,0 +1,93 @@
+"""trainaccel.horovod collectives on real Gloo workers, checked against values every rank can compute.
+
+Each rank writes OUT_DIR/rank{r}.json with a list of failed checks (empty when all hold).
+"""
+
+import json
+import sys
+
+import torch
+
+import trainaccel.horovod as hvd
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+failures: list[str] = []
+info: dict = {}
+
+
+def check(label: str, ok: bool) -> None:
+    if not ok:
+        failures.append(label)
+
+
+def raises(label: str, fn, error: type, contains: str) -> None:
+    try:
+        fn()
+    except error as e:
+        check(f"{label}: message {e}", contains in str(e))
+        info.setdefault("errors", {})[label] = str(e)
+    else:
+        failures.append(f"{label}: no error")
+
+
+check("size", n == int(sys.argv[2]))
+check("topology", (hvd.local_size(), hvd.local_rank(), hvd.cross_size(), hvd.cross_rank()) == (n, r, 1, 0))
+check("homogeneous", hvd.is_homogeneous() is True)
+check("builds", hvd.gloo_built() and not hvd.mpi_built() and not hvd.mpi_enabled())
+
+values = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + k for k in range(n)]  # rank k's tensor
+mine = values[r]
+for dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64):
+    stack = torch.stack([v.to(dtype) for v in values])
+    expected = {
+        hvd.Sum: stack.sum(0), hvd.Min: stack.min(0).values, hvd.Max: stack.max(0).values,
+        hvd.Product: stack.prod(0),
+        hvd.Average: stack.sum(0) / n if dtype.is_floating_point else stack.sum(0).div(n, rounding_mode="floor"),
+    }  # fmt: skip
+    for op, want in expected.items():
+        got = hvd.allreduce(mine.to(dtype), op=op)
+        check(f"allreduce {dtype} {op.name}", got.dtype == dtype and torch.allclose(got.double(), want.double(), rtol=1e-3))
+check("allreduce average=False is Sum", torch.equal(hvd.allreduce(mine, average=False), sum(values)))
+scaled = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+check("pre/postscale", torch.allclose(scaled, sum(values)))
+fp16 = hvd.allreduce(mine, compression=hvd.Compression.fp16)
+check("fp16 compression", fp16.dtype == torch.float32 and torch.allclose(fp16, sum(values) / n, rtol=1e-3))
+inplace = mine.clone()
+check("allreduce_ in place", hvd.allreduce_(inplace) is inplace and torch.allclose(inplace, sum(values) / n))
+check("input untouched", torch.equal(mine, values[r]))
+handle = hvd.allreduce_async(mine, name="async.sum", op=hvd.Sum)
+raises("duplicate name", lambda: hvd.allreduce_async(mine, name="async.sum"), ValueError, "already in flight")
+check("async", torch.equal(hvd.synchronize(handle), sum(values)) and hvd.poll(handle))
+
+# allgather: rank k sends k+1 rows filled with k.
+rows = torch.full((r + 1, 3), float(r))
+gathered = hvd.allgather(rows)
+check("allgather uneven first dims", torch.equal(gathered, torch.cat([torch.full((k + 1, 3), float(k)) for k in range(n)])))
+check("allgather fp16", hvd.allgather(rows.half()).dtype == torch.float16)
+
+root = n - 1
+b = hvd.broadcast(mine, root_rank=root)
+check("broadcast", torch.equal(b, values[root]) and torch.equal(mine, values[r]))
+inplace = mine.clone()
+hvd.broadcast_(inplace, root_rank=0)
+check("broadcast_", torch.equal(inplace, values[0]))
+check("broadcast_object", hvd.broadcast_object({"from": r}, root_rank=root) == {"from": root})
+check("allgather_object", hvd.allgather_object(("rank", r)) == [("rank", k) for k in range(n)])
+hvd.barrier()
+
+# Mismatches raise the same error on every rank instead of hanging.
+raises("shape mismatch", lambda: hvd.allreduce(torch.ones(r + 2)), RuntimeError, "tensor shapes differ across ranks")
+raises("dtype mismatch", lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64)),
+       RuntimeError, "tensor dtypes differ across ranks")  # fmt: skip
+raises("allgather trailing dims", lambda: hvd.allgather(torch.ones(2, r + 1)), RuntimeError,
+       "shapes (beyond the first dimension) differ")  # fmt: skip
+raises("broadcast roots", lambda: hvd.broadcast(torch.ones(2), root_rank=r), RuntimeError, "root ranks differ")
+raises("op mismatch", lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max), RuntimeError,
+       "reduction ops differ")  # fmt: skip
+raises("adasum", lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), ValueError, "Adasum is not supported")
+check("still in step after errors", torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))))
+
+with open(f"{sys.argv[1]}/rank{r}.json", "w") as f:
+    json.dump({"failures": failures, **info}, f)
+hvd.shutdown()
