@@ -2,8 +2,9 @@
 
 Launch with `trainaccel run` (or torchrun, mpirun, horovodrun). This version has setup and
 topology, allreduce, allgather, broadcast, barrier and object collectives with their async
-and in-place forms, and Horovod's mismatch errors. The other parts of the API (alltoall,
-reducescatter, join, grouped ops, DistributedOptimizer, elastic) come next.
+and in-place forms, Horovod's mismatch errors, DistributedOptimizer, broadcast_parameters and
+broadcast_optimizer_state. The rest of the API (alltoall, reducescatter, join, grouped ops,
+autograd, SyncBatchNorm, elastic) comes next.
 """
 
 from trainaccel.horovod.basics import (
@@ -12,6 +13,7 @@ from trainaccel.horovod.basics import (
     rocm_built, shutdown, size,
 )  # fmt: skip
 from trainaccel.horovod.compression import Compression
+from trainaccel.horovod.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from trainaccel.horovod.ops import (
     Adasum, Average, Handle, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async, allgather_object,
     allreduce, allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
@@ -19,7 +21,8 @@ from trainaccel.horovod.ops import (
 )  # fmt: skip
 
 __all__ = [
-    "Adasum", "Average", "Compression", "Handle", "Max", "Min", "Product", "ReduceOp", "Sum",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Handle", "broadcast_optimizer_state",
+    "broadcast_parameters", "Max", "Min", "Product", "ReduceOp", "Sum",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",

@@ -1,0 +1,229 @@
+"""Horovod's `DistributedOptimizer`, `broadcast_parameters` and `broadcast_optimizer_state`.
+
+Gradients are reduced in buckets of parameters. A bucket starts its asynchronous allreduce
+during backward, as soon as all its gradients are ready and every earlier bucket has started,
+so every rank issues the same collectives in the same order. `step()` (or `synchronize()`)
+starts the buckets still waiting (parameters unused on this rank count as zero) and waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainaccel.horovod.basics import _check
+from trainaccel.horovod.compression import Compression, Compressor
+from trainaccel.horovod.ops import Adasum, Average, ReduceOp, Sum, broadcast_, broadcast_object
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite parameters (a `state_dict()` or `named_parameters()`) with the root's, in place."""
+    _check()
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable):
+        items = list(params)
+        if any(not (isinstance(i, tuple) and len(i) == 2) for i in items):
+            raise ValueError("broadcast_parameters needs a state_dict or a list of (name, tensor) pairs")
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}; accepted: a dict or a list of (name, tensor)")
+    with torch.no_grad():
+        for name, tensor in items:
+            if torch.is_tensor(tensor):
+                broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, name=str(name))
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every rank the root's optimizer state and hyperparameters (works for any torch.optim optimizer)."""
+    _check()
+    state = broadcast_object(optimizer.state_dict(), root_rank)
+    if dist.get_rank() != root_rank:
+        optimizer.load_state_dict(state)
+
+
+class _DistributedOptimizer:
+    """Mixed into the wrapped optimizer's own class, so `isinstance` checks still hold."""
+
+    def _setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        num_groups: int,
+        groups: list[list[torch.Tensor]] | None,
+        sparse_as_dense: bool,
+    ) -> None:
+        _check()
+        if op == Adasum:
+            raise ValueError("op=Adasum is not supported; accepted: Average, Sum")
+        if op not in (Average, Sum):
+            raise ValueError(f"invalid op={op!r}; accepted: Average, Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"invalid backward_passes_per_step={backward_passes_per_step!r}; accepted: an integer >= 1")
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        names = self._names(named_parameters, params)
+        self._compression, self._op, self._predivide = compression, op, gradient_predivide_factor
+        self._passes_per_step, self._sparse_as_dense = backward_passes_per_step, sparse_as_dense
+        self._buckets = self._make_buckets(params, num_groups, groups)
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
+        self._names_by_id = {id(p): names[id(p)] for p in params}
+        self._passes: dict[int, int] = {}
+        self._ready: list[set[int]] = [set() for _ in self._buckets]
+        self._handles: list[Any] = [None] * len(self._buckets)
+        self._next_bucket = 0
+        self._synchronized = False
+        self._skip_synchronize = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    @staticmethod
+    def _names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: list[torch.Tensor]) -> dict[int, str]:
+        if named_parameters is None:
+            return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        pairs = list(named_parameters)
+        if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually model.named_parameters()")
+        seen: set[str] = set()
+        duplicates = sorted({name for name, _ in pairs if name in seen or seen.add(name)})  # type: ignore[func-returns-value]
+        if duplicates:
+            raise ValueError(f"parameter names in named_parameters must be unique; repeated: {', '.join(duplicates)}")
+        by_id = {id(p): name for name, p in pairs}
+        missing = [p for p in params if id(p) not in by_id]
+        if missing:
+            shapes = ", ".join(str(tuple(p.shape)) for p in missing[:5])
+            raise ValueError(f"named_parameters was given, but {len(missing)} optimizer parameter(s) are not in it (shapes {shapes})")
+        return by_id
+
+    @staticmethod
+    def _make_buckets(params: list[torch.Tensor], num_groups: int, groups: list[list[torch.Tensor]] | None) -> list[list[torch.Tensor]]:
+        if groups is not None:
+            if num_groups:
+                raise ValueError("pass either groups or num_groups, not both")
+            listed = [p for g in groups for p in g]
+            extra = [p for p in params if all(p is not q for q in listed)]
+            return [list(g) for g in groups if g] + [[p] for p in extra]
+        ordered = list(reversed(params))  # backward produces gradients roughly from the last layer
+        if num_groups:
+            size = -(-len(ordered) // num_groups)
+            return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+        buckets, current, current_bytes = [], [], 0
+        for p in ordered:
+            if current and current_bytes + p.numel() * p.element_size() > BUCKET_BYTES:
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += p.numel() * p.element_size()
+        return buckets + ([current] if current else [])
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        count = self._passes.get(id(p), 0) + 1
+        self._passes[id(p)] = count
+        if count < self._passes_per_step:
+            return
+        bucket = self._bucket_of[id(p)]
+        self._ready[bucket].add(id(p))
+        self._synchronized = False
+        while self._next_bucket < len(self._buckets) and len(self._ready[self._next_bucket]) == len(self._buckets[self._next_bucket]):
+            self._launch(self._next_bucket)
+
+    def _launch(self, index: int) -> None:
+        grads = []
+        for p in self._buckets[index]:
+            grad = p.grad
+            if grad is None:  # unused on this rank: it still takes part, as zeros
+                grad = torch.zeros_like(p)
+            elif grad.is_sparse:
+                if not self._sparse_as_dense:
+                    raise ValueError(f"sparse gradient for {self._names_by_id[id(p)]}: pass sparse_as_dense=True")
+                grad = grad.to_dense()
+            grads.append(grad.reshape(-1))
+        flat = torch.cat(grads)
+        if self._predivide != 1.0:
+            flat.div_(self._predivide)
+        payload, ctx = self._compression.compress(flat)
+        work = dist.all_reduce(payload, async_op=True)
+        self._handles[index] = (work, payload, ctx)
+        self._next_bucket = index + 1
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient (starting buckets still waiting) and write them to `.grad`."""
+        if self._synchronized:
+            return
+        while self._next_bucket < len(self._buckets):
+            self._launch(self._next_bucket)
+        world = dist.get_world_size()
+        for index, (work, payload, ctx) in enumerate(self._handles):
+            work.wait()
+            flat = self._compression.decompress(payload, ctx)
+            if self._op == Average:
+                flat = flat.div(world / self._predivide)
+            offset = 0
+            for p in self._buckets[index]:
+                n = p.numel()
+                reduced = flat[offset : offset + n].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.copy_(reduced)
+                offset += n
+        self._reset()
+        self._synchronized = True
+
+    def _reset(self) -> None:
+        self._passes.clear()
+        self._ready = [set() for _ in self._buckets]
+        self._handles = [None] * len(self._buckets)
+        self._next_bucket = 0
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside, `step()` does not synchronize: for a `synchronize()` called by hand before it."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._skip_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._next_bucket:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or optimizer.synchronize()")
+        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: list[list[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: object = None,
+) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that `step()` applies gradients averaged over all workers (Horovod's API)."""
+    if process_set is not None:
+        raise ValueError("process sets are not supported yet; leave process_set unset to use all workers")
+    methods = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hyperparameters
+    wrapped._setup(named_parameters, compression, backward_passes_per_step, ReduceOp(op),
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense)  # fmt: skip
+    return wrapped

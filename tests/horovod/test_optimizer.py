@@ -1,0 +1,74 @@
+"""DistributedOptimizer and the broadcasts: a Horovod-style script matches single-process training."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import SCRIPTS, run, trainaccel_cmd
+
+
+def reference(world: int, passes: int) -> list[torch.Tensor]:
+    """One process, the same data: each step's batch is every rank's batches together."""
+    data = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, 10, generator=data), torch.randn(128, 1, generator=data)
+    torch.manual_seed(1234)  # rank 0's initialization, which broadcast_parameters spreads
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # DistributedSampler without shuffle: pad to a multiple of world with the first indices, deal out.
+    total = -(-128 // world) * world
+    indices = list(range(128)) + list(range(total - 128))
+    per_rank = [indices[r:total:world] for r in range(world)]
+    batches = -(-len(per_rank[0]) // 8)  # DataLoader keeps the last, shorter batch
+    for _ in range(2):
+        for step in range(0, batches, passes):
+            optimizer.zero_grad()
+            for i in range(step, step + passes):
+                # Horovod averages the ranks' mean losses' gradients: equal batch sizes per rank.
+                for r in range(world):
+                    idx = per_rank[r][i * 8 : (i + 1) * 8]
+                    (F.mse_loss(model(x[idx]), y[idx]) / (passes * world)).backward()
+            optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("workers, passes", [(2, 1), (3, 1), (2, 2)])
+def test_horovod_script_matches_single_process_training(tmp_path, workers, passes):
+    out = tmp_path / "params.pt"
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
+                SCRIPTS / "horovod_train.py", out, passes])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trained = torch.load(out)
+    assert trained["size"] == workers
+    for got, want in zip(trained["params"], reference(workers, passes)):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_bad_arguments_are_refused():
+    code = """
+import torch, trainaccel.horovod as hvd
+from torch import nn
+hvd.init()
+m = nn.Linear(2, 2)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for kwargs, message in [
+    (dict(named_parameters=[("w", m.weight), ("w", m.bias)]), "must be unique; repeated: w"),
+    (dict(named_parameters=[("w", m.weight)]), "1 optimizer parameter(s) are not in it"),
+    (dict(backward_passes_per_step=0), "invalid backward_passes_per_step=0"),
+    (dict(op=hvd.Adasum), "Adasum is not supported"),
+]:
+    try:
+        hvd.DistributedOptimizer(opt, **kwargs)
+    except ValueError as e:
+        assert message in str(e), (message, str(e))
+    else:
+        raise SystemExit(f"no error for {kwargs}")
+wrapped = hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters())
+assert isinstance(wrapped, torch.optim.SGD)
+m(torch.ones(1, 2)).sum().backward()
+wrapped.step()
+"""
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
