@@ -72,3 +72,13 @@ wrapped.step()
 """
     proc = run([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_unused_parameters_synchronize_and_groups(tmp_path, workers):
+    from conftest import read_ranks
+
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
+                SCRIPTS / "horovod_unused.py", tmp_path])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(r["failures"] == [] for r in read_ranks(tmp_path, workers))
