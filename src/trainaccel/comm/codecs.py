@@ -71,21 +71,27 @@ class TopK:
         payload = torch.cat([values, indices.to(torch.int32).view(torch.float32)])
         return payload, (n, tensor.dtype)
 
+    @staticmethod
+    def _unpack(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, int64 indices) of a payload."""
+        k = payload.numel() // 2
+        return payload[:k], payload[k:].view(torch.int32).long()
+
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         n, dtype = ctx
-        k = payload.numel() // 2
+        values, indices = self._unpack(payload)
         out = torch.zeros(n, dtype=dtype, device=payload.device)
-        out[payload[k:].view(torch.int32).long()] = payload[:k].to(dtype)
+        out[indices] = values.to(dtype)
         return out
 
     def zero_sent(self, tensor: torch.Tensor, payload: torch.Tensor, ctx: Any) -> None:
         """Zero the elements of `tensor` this payload carries (cheaper than subtracting a dense decode)."""
-        tensor[payload[payload.numel() // 2 :].view(torch.int32).long()] = 0
+        tensor[self._unpack(payload)[1]] = 0
 
     def accumulate(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
         """Add the decoded payload into `out`."""
-        k = payload.numel() // 2
-        out.index_add_(0, payload[k:].view(torch.int32).long(), payload[:k].to(out.dtype))
+        values, indices = self._unpack(payload)
+        out.index_add_(0, indices, values.to(out.dtype))
 
     def _top_indices(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
         n = magnitude.numel()
