@@ -66,6 +66,25 @@ gathered = hvd.allgather(rows)
 check("allgather uneven first dims", torch.equal(gathered, torch.cat([torch.full((k + 1, 3), float(k)) for k in range(n)])))
 check("allgather fp16", hvd.allgather(rows.half()).dtype == torch.float16)
 
+# alltoall: rank r sends k+1 rows (filled with 10*r + k) to rank k.
+send = torch.cat([torch.full((k + 1, 2), float(10 * r + k)) for k in range(n)])
+out, received = hvd.alltoall(send, splits=[k + 1 for k in range(n)])
+check("alltoall splits", received.tolist() == [r + 1] * n)
+check("alltoall data", torch.equal(out, torch.cat([torch.full((r + 1, 2), float(10 * k + r)) for k in range(n)])))
+even = hvd.alltoall(torch.arange(float(n * 2)).reshape(n, 2) + 100 * r)
+check("alltoall even", torch.equal(even, torch.stack([torch.tensor([2.0 * r, 2.0 * r + 1]) + 100 * k for k in range(n)])))
+raises("alltoall bad splits", lambda: hvd.alltoall(send, splits=[1] * n), ValueError, "add up to the first dimension")
+
+# reducescatter: rows split as evenly as possible, lower ranks first.
+rows = 2 * n + 1
+total = sum(torch.arange(float(rows * 2)).reshape(rows, 2) * (k + 1) for k in range(n))
+share = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
+start = sum(share[:r])
+got = hvd.reducescatter(torch.arange(float(rows * 2)).reshape(rows, 2) * (r + 1), op=hvd.Sum)
+check("reducescatter sum", torch.equal(got, total[start : start + share[r]]))
+got = hvd.reducescatter(torch.arange(float(rows * 2)).reshape(rows, 2) * (r + 1))
+check("reducescatter average", torch.allclose(got, total[start : start + share[r]] / n))
+
 root = n - 1
 b = hvd.broadcast(mine, root_rank=root)
 check("broadcast", torch.equal(b, values[root]) and torch.equal(mine, values[r]))

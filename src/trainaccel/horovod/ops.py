@@ -39,7 +39,7 @@ _TORCH_OPS = {
     ReduceOp.Max: dist.ReduceOp.MAX,
     ReduceOp.Product: dist.ReduceOp.PRODUCT,
 }
-_KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3}
+_KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "reducescatter": 5}
 _DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.bool]  # fmt: skip
 _MAX_DIMS = 8
@@ -254,6 +254,77 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, pr
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: object = None) -> torch.Tensor:
     """The root's `tensor`, on every worker, as a new tensor."""
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None, name: str | None = None,
+                   process_set: object = None) -> Handle:  # fmt: skip
+    """Start sending `splits[j]` rows of `tensor` to rank j; `synchronize` returns (output, received_splits)."""
+    _check()
+    _no_process_set(process_set)
+    _claim(name)
+    world = dist.get_world_size()
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension")
+    if splits is None:
+        if tensor.shape[0] % world:
+            raise ValueError(f"alltoall without splits needs the first dimension ({tensor.shape[0]}) divisible by size() ({world})")
+        send = [tensor.shape[0] // world] * world
+    else:
+        send = [int(x) for x in (splits.tolist() if torch.is_tensor(splits) else splits)]
+        if len(send) != world or any(x < 0 for x in send) or sum(send) != tensor.shape[0]:
+            raise ValueError(
+                f"invalid splits={send}; accepted: {world} non-negative counts that add up to the first dimension ({tensor.shape[0]})"
+            )
+    _negotiate("alltoall", name, tensor, first_dim_may_differ=True)
+    received = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64))
+    counts = [int(x) for x in received]
+    output = tensor.new_empty((sum(counts), *tensor.shape[1:]))
+    work = dist.all_to_all_single(output, tensor.detach().contiguous(), counts, send, async_op=True)
+    return _start("alltoall", name, work, lambda: (output, received.to(torch.int32)))
+
+
+def alltoall(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None, name: str | None = None,
+             process_set: object = None) -> Any:  # fmt: skip
+    """Rows of every rank's `tensor` addressed to this one, in rank order; with `splits`, also the counts received."""
+    output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return output if splits is None else (output, received)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: object = None) -> Handle:  # fmt: skip
+    """Start reducing `tensor` across workers; this rank keeps its share of the first dimension."""
+    _check()
+    _no_process_set(process_set)
+    _claim(name)
+    op = _resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter supports op=Average or Sum, got {op.name}")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
+    _negotiate("reducescatter", name, tensor, int(op))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = [tensor.shape[0] // world + (1 if r < tensor.shape[0] % world else 0) for r in range(world)]
+    start = sum(rows[:rank])
+    # Gloo's reduce-scatter is slower than its allreduce, and needs equal shares: reduce all, keep ours.
+    full = tensor.detach().clone()
+    if prescale_factor != 1.0:
+        full.mul_(prescale_factor)
+    work = dist.all_reduce(full, async_op=True)
+
+    def finish() -> torch.Tensor:
+        mine = full.narrow(0, start, rows[rank]).clone()
+        if op == Average:
+            mine = mine / world if mine.is_floating_point() else mine.div(world, rounding_mode="floor")
+        return mine.mul_(postscale_factor) if postscale_factor != 1.0 else mine
+
+    return _start("reducescatter", name, work, finish)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: object = None) -> torch.Tensor:  # fmt: skip
+    """This rank's share (rows split as evenly as possible, lower ranks first) of the reduction of `tensor`."""
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def barrier(process_set: object = None) -> None:
