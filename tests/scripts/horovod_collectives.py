@@ -85,6 +85,19 @@ check("reducescatter sum", torch.equal(got, total[start : start + share[r]]))
 got = hvd.reducescatter(torch.arange(float(rows * 2)).reshape(rows, 2) * (r + 1))
 check("reducescatter average", torch.allclose(got, total[start : start + share[r]] / n))
 
+# grouped forms: one call, a list in, a list out, each element as its single-tensor op.
+pair = [mine, mine * 2]
+check("grouped_allreduce", all(torch.allclose(g, sum(values) * f / n) for g, f in zip(hvd.grouped_allreduce(pair), (1, 2))))
+inplace = [t.clone() for t in pair]
+check("grouped_allreduce_", hvd.grouped_allreduce_(inplace, op=hvd.Sum)[1] is inplace[1] and torch.allclose(inplace[1], sum(values) * 2))
+h = hvd.grouped_allreduce_async(pair, name="group", op=hvd.Max)
+got = hvd.synchronize(h)
+check("grouped_allreduce_async", hvd.poll(h) and torch.equal(got[0], values[-1]) and torch.equal(got[1], values[-1] * 2))
+g = hvd.grouped_allgather([torch.full((r + 1,), float(r)), torch.full((1, 2), float(r))])
+check("grouped_allgather", g[0].numel() == sum(k + 1 for k in range(n)) and g[1].shape == (n, 2))
+rs = hvd.grouped_reducescatter([torch.ones(n, 2), torch.ones(2 * n)], op=hvd.Sum)
+check("grouped_reducescatter", torch.equal(rs[0], torch.full((1, 2), float(n))) and torch.equal(rs[1], torch.full((2,), float(n))))
+
 root = n - 1
 b = hvd.broadcast(mine, root_rank=root)
 check("broadcast", torch.equal(b, values[root]) and torch.equal(mine, values[r]))

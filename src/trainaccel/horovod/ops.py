@@ -61,6 +61,9 @@ _auto_names = itertools.count()
 
 def poll(handle: Handle) -> bool:
     """Whether the operation has finished (`synchronize` then returns without waiting)."""
+    parts = getattr(handle, "_parts", None)
+    if parts is not None:
+        return all(poll(part) for part in parts)
     return handle._work is None or handle._work.is_completed()
 
 
@@ -325,6 +328,73 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | 
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: object = None) -> torch.Tensor:  # fmt: skip
     """This rank's share (rows split as evenly as possible, lower ranks first) of the reduction of `tensor`."""
     return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def _group(kind: str, name: str | None, handles: list[Handle]) -> Handle:
+    """One handle over several: done when all are, its result the list of theirs."""
+    group = Handle(name or f"{kind}.noname.{next(_auto_names)}", None, lambda: [synchronize(h) for h in handles])
+    group._parts = handles  # type: ignore[attr-defined]
+    return group
+
+
+def _named(name: str | None, i: int) -> str | None:
+    return None if name is None else f"{name}.{i}"
+
+
+def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: object = None) -> Handle:  # fmt: skip
+    """Start reducing each tensor of a list in place; `synchronize` returns the list."""
+    _claim(name)
+    handles = [allreduce_async_(t, average, _named(name, i), op, prescale_factor, postscale_factor, process_set)
+               for i, t in enumerate(tensors)]  # fmt: skip
+    return _group("grouped_allreduce", name, handles)
+
+
+def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: object = None) -> Handle:  # fmt: skip
+    copies = [t.detach().clone() for t in tensors]
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: object = None) -> list[torch.Tensor]:  # fmt: skip
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: object = None) -> list[torch.Tensor]:  # fmt: skip
+    """The reduction of each tensor of a list, as new tensors."""
+    return [allreduce(t, average, _named(name, i), compression, op, prescale_factor, postscale_factor, process_set)
+            for i, t in enumerate(tensors)]  # fmt: skip
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None, process_set: object = None) -> Handle:
+    _claim(name)
+    return _group("grouped_allgather", name, [allgather_async(t, _named(name, i), process_set) for i, t in enumerate(tensors)])
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, process_set: object = None) -> list[torch.Tensor]:
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None, op: ReduceOp | None = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: object = None) -> Handle:  # fmt: skip
+    _claim(name)
+    handles = [reducescatter_async(t, _named(name, i), op, prescale_factor, postscale_factor, process_set)
+               for i, t in enumerate(tensors)]  # fmt: skip
+    return _group("grouped_reducescatter", name, handles)
+
+
+def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None, op: ReduceOp | None = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: object = None) -> list[torch.Tensor]:  # fmt: skip
+    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def barrier(process_set: object = None) -> None:
