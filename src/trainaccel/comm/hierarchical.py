@@ -118,10 +118,9 @@ class HierarchicalReduce:
         if self.intra_feedback is not None:
             self.intra_feedback.update(key, full, self.intra_codec, payload, ctx)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
-        local_index = self.topology.nodes[self.topology.node_index].index(self.topology.rank)
         if self._scatter_by_allreduce:
             dist.all_reduce(payload, group=self.topology.intra_group)
-            shard_payload = payload.narrow(0, local_index * shard_size, shard_size)
+            shard_payload = payload.narrow(0, self.topology.local_index * shard_size, shard_size)
         else:
             shard_payload = payload.new_empty(shard_size)
             reduce_scatter_single(shard_payload, payload, group=self.topology.intra_group)

@@ -120,17 +120,19 @@ def build_state(process_group: Any, config: Config, param_names: dict[int, str] 
 _said: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def _say_once(level: int, message: str) -> None:
     """Log a fact about the whole job once, from rank 0."""
     if message not in _said and _is_rank_zero():
         _said.add(message)
-        log.warning(message)
+        log.log(level, message)
+
+
+def _warn_once(message: str) -> None:
+    _say_once(logging.WARNING, message)
 
 
 def _info_once(message: str) -> None:
-    if message not in _said and _is_rank_zero():
-        _said.add(message)
-        log.info(message)
+    _say_once(logging.INFO, message)
 
 
 def _is_rank_zero() -> bool:

@@ -30,6 +30,11 @@ class Topology:
         return len(self.nodes[self.node_index])
 
     @property
+    def local_index(self) -> int:
+        """This worker's position within its node (Horovod's local rank)."""
+        return self.nodes[self.node_index].index(self.rank)
+
+    @property
     def uniform(self) -> bool:
         """Every node has the same number of workers."""
         return len({len(n) for n in self.nodes}) == 1
@@ -87,9 +92,11 @@ def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
         intra = [dist.new_group(list(ranks)) for ranks in nodes]
         gather = [dist.new_group(list(ranks)) for ranks in nodes]
         inter = [dist.new_group([ranks[i] for ranks in nodes]) for i in range(topology.local_size)]
-        local_index = nodes[node_index].index(rank)
         topology = dataclasses.replace(
-            topology, intra_group=intra[node_index], gather_group=gather[node_index], inter_group=inter[local_index]
+            topology,
+            intra_group=intra[node_index],
+            gather_group=gather[node_index],
+            inter_group=inter[topology.local_index],
         )
     _cache[:] = [(world, topology)]
     return topology

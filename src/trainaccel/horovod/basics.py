@@ -71,14 +71,13 @@ def local_size() -> int:
 
 
 def local_rank() -> int:
-    topology = _topology()
-    return topology.nodes[topology.node_index].index(topology.rank)
+    return _topology().local_index
 
 
 def cross_size() -> int:
     """Workers with this worker's local rank, one per node (Horovod's cross communicator)."""
     topology = _topology()
-    return sum(1 for node in topology.nodes if len(node) > local_rank())
+    return sum(1 for node in topology.nodes if len(node) > topology.local_index)
 
 
 def cross_rank() -> int:
