@@ -64,6 +64,9 @@ def _configure_logging(level: str) -> None:
         log.propagate = False
 
 
+_incarnation = 0  # process groups started by this process so far
+
+
 def _start_process_group(mapped: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
@@ -82,5 +85,14 @@ def _start_process_group(mapped: dict[str, str]) -> None:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, init_method="env://")
+    global _incarnation
+    if _incarnation == 0:
+        dist.init_process_group(backend=backend, init_method="env://")
+    else:
+        # After a shutdown the launcher's store still holds the last group's keys; a fresh
+        # prefix keeps the new group from reading them (every rank counts incarnations alike).
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"trainaccel/incarnation{_incarnation}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+    _incarnation += 1
     log.debug("started process group %s: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())

@@ -3,32 +3,17 @@
 Each rank writes OUT_DIR/rank{r}.json with a list of failed checks (empty when all hold).
 """
 
-import json
 import sys
 
 import torch
+from checks import Checks
 
 import trainaccel.horovod as hvd
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-failures: list[str] = []
-info: dict = {}
-
-
-def check(label: str, ok: bool) -> None:
-    if not ok:
-        failures.append(label)
-
-
-def raises(label: str, fn, error: type, contains: str) -> None:
-    try:
-        fn()
-    except error as e:
-        check(f"{label}: message {e}", contains in str(e))
-        info.setdefault("errors", {})[label] = str(e)
-    else:
-        failures.append(f"{label}: no error")
+checks = Checks()
+check, raises = checks.check, checks.raises
 
 
 check("size", n == int(sys.argv[2]))
@@ -120,6 +105,5 @@ raises("op mismatch", lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r == 0 
 raises("adasum", lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), ValueError, "Adasum is not supported")
 check("still in step after errors", torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))))
 
-with open(f"{sys.argv[1]}/rank{r}.json", "w") as f:
-    json.dump({"failures": failures, **info}, f)
+checks.write(sys.argv[1], r)
 hvd.shutdown()

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 _started_here = False  # init() brought up the process group, so shutdown() takes it down
 
 
-def init(comm: object = None, process_sets: object = None) -> None:
+def init(comm: object = None, process_sets: Any = None) -> None:
     """Join the job: under `trainaccel run`, torchrun, mpirun or horovodrun; alone, a job of one.
 
-    `comm` (an MPI communicator) and `process_sets` are Horovod arguments trainaccel does not support.
+    `process_sets`: ProcessSets (or rank lists) to register now, or "dynamic" (always allowed here).
+    `comm` (an MPI communicator) is not supported: trainaccel does not use MPI.
     """
     global _started_here
     if comm is not None:
         raise ValueError("init(comm=...) needs MPI, which trainaccel does not use; launch with trainaccel run")
-    if process_sets is not None:
-        raise ValueError("process sets are not supported yet; init() without process_sets uses all workers")
+    if process_sets is not None and process_sets != "dynamic" and not isinstance(process_sets, (list, tuple)):
+        raise ValueError(f"invalid process_sets={process_sets!r}; accepted: a list of ProcessSets or 'dynamic'")
     import trainaccel
     from trainaccel.environment import is_distributed
 
@@ -30,6 +33,21 @@ def init(comm: object = None, process_sets: object = None) -> None:
     from trainaccel.comm.exit_guard import guard_exit
 
     guard_exit()  # Gloo's threads may still be winding down when a short script exits
+    if not was_up:
+        _forget_state()
+    if isinstance(process_sets, (list, tuple)):
+        from trainaccel.horovod.process_sets import add_process_set
+
+        for ps in process_sets:
+            add_process_set(ps)
+
+
+def _forget_state() -> None:
+    """Operations in flight and process sets belong to one process group's lifetime."""
+    from trainaccel.horovod import ops, process_sets
+
+    ops.reset()
+    process_sets._reset()
 
 
 def is_initialized() -> bool:
@@ -40,6 +58,7 @@ def shutdown() -> None:
     """Leave the job; the process group is destroyed if `init()` started it."""
     global _started_here
     if _started_here and dist.is_initialized():
+        _forget_state()
         dist.destroy_process_group()
     _started_here = False
 

@@ -17,12 +17,14 @@ import torch.distributed as dist
 
 from trainaccel.horovod.basics import _check
 from trainaccel.horovod.compression import Compression, Compressor
+from trainaccel.horovod import ops
 from trainaccel.horovod.ops import Adasum, Average, ReduceOp, Sum, broadcast_, broadcast_object
+from trainaccel.horovod.process_sets import ProcessSet, resolve
 
 BUCKET_BYTES = 25 * 2**20
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet | None = None) -> None:
     """Overwrite parameters (a `state_dict()` or `named_parameters()`) with the root's, in place."""
     _check()
     if isinstance(params, dict):
@@ -36,13 +38,14 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     with torch.no_grad():
         for name, tensor in items:
             if torch.is_tensor(tensor):
-                broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, name=str(name))
+                broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, str(name), process_set)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every rank the root's optimizer state and hyperparameters (works for any torch.optim optimizer)."""
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
+                              process_set: ProcessSet | None = None) -> None:
+    """Give every rank the root's optimizer state and hyperparameters (any torch.optim optimizer; `model` is unused)."""
     _check()
-    state = broadcast_object(optimizer.state_dict(), root_rank)
+    state = broadcast_object(optimizer.state_dict(), root_rank, process_set=process_set)
     if dist.get_rank() != root_rank:
         optimizer.load_state_dict(state)
 
@@ -60,8 +63,10 @@ class _DistributedOptimizer:
         num_groups: int,
         groups: list[list[torch.Tensor]] | None,
         sparse_as_dense: bool,
+        process_set: ProcessSet | None,
     ) -> None:
         _check()
+        self._process_set = resolve(process_set) if process_set is None or process_set.included() else None
         if op == Adasum:
             raise ValueError("op=Adasum is not supported; accepted: Average, Sum")
         if op not in (Average, Sum):
@@ -77,13 +82,15 @@ class _DistributedOptimizer:
         self._buckets = self._make_buckets(params, num_groups, groups)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._names_by_id = {id(p): names[id(p)] for p in params}
+        self._parameter_names = {p: names[id(p)] for p in params}  # Horovod's attribute, read by some scripts
         self._passes: dict[int, int] = {}
         self._ready: list[set[int]] = [set() for _ in self._buckets]
         self._handles: list[Any] = [None] * len(self._buckets)
         self._next_bucket = 0
         self._synchronized = False
         self._skip_synchronize = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        # A worker outside the optimizer's process set trains on its own gradients.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params] if self._process_set else []
 
     @staticmethod
     def _names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: list[torch.Tensor]) -> dict[int, str]:
@@ -136,42 +143,52 @@ class _DistributedOptimizer:
             self._launch(self._next_bucket)
 
     def _launch(self, index: int) -> None:
-        grads = []
+        grads, dense, sparse = [], [], []
         for p in self._buckets[index]:
             grad = p.grad
             if grad is None:  # unused on this rank: it still takes part, as zeros
                 grad = torch.zeros_like(p)
             elif grad.is_sparse:
                 if not self._sparse_as_dense:
-                    raise ValueError(f"sparse gradient for {self._names_by_id[id(p)]}: pass sparse_as_dense=True")
+                    sparse.append((p, ops.sparse_allreduce_async(grad, None, self._op, self._process_set)))
+                    continue
                 grad = grad.to_dense()
+            dense.append(p)
             grads.append(grad.reshape(-1))
-        flat = torch.cat(grads)
-        if self._predivide != 1.0:
-            flat.div_(self._predivide)
-        payload, ctx = self._compression.compress(flat)
-        work = dist.all_reduce(payload, async_op=True)
-        self._handles[index] = (work, payload, ctx)
+        handle = ctx = None
+        if grads:
+            flat = torch.cat(grads)
+            if self._predivide != 1.0:
+                flat.div_(self._predivide)
+            payload, ctx = self._compression.compress(flat)
+            # Negotiated like any allreduce, so a worker that has called hvd.join() takes part.
+            handle = ops.allreduce_async_(payload, op=Sum, process_set=self._process_set)
+        self._handles[index] = (handle, ctx, dense, sparse)
         self._next_bucket = index + 1
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting buckets still waiting) and write them to `.grad`."""
-        if self._synchronized:
+        if self._synchronized or self._process_set is None:
             return
         while self._next_bucket < len(self._buckets):
             self._launch(self._next_bucket)
-        world = dist.get_world_size()
-        for index, (work, payload, ctx) in enumerate(self._handles):
-            work.wait()
-            flat = self._compression.decompress(payload, ctx)
+        world = self._process_set.size()
+        for handle, ctx, dense, sparse in self._handles:
+            for p, wait in sparse:
+                p.grad = wait()
+            if handle is None:
+                continue
+            flat = self._compression.decompress(ops.synchronize(handle), ctx)
             if self._op == Average:
                 flat = flat.div(world / self._predivide)
             offset = 0
-            for p in self._buckets[index]:
+            for p in dense:
                 n = p.numel()
                 reduced = flat[offset : offset + n].view_as(p).to(p.dtype)
                 if p.grad is None:
                     p.grad = reduced.clone()
+                elif p.grad.is_sparse:  # sparse_as_dense: the optimizer expects a sparse gradient back
+                    p.grad = reduced.to_sparse()
                 else:
                     p.grad.copy_(reduced)
                 offset += n
@@ -215,15 +232,13 @@ def DistributedOptimizer(
     num_groups: int = 0,
     groups: list[list[torch.Tensor]] | None = None,
     sparse_as_dense: bool = False,
-    process_set: object = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that `step()` applies gradients averaged over all workers (Horovod's API)."""
-    if process_set is not None:
-        raise ValueError("process sets are not supported yet; leave process_set unset to use all workers")
     methods = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hyperparameters
     wrapped._setup(named_parameters, compression, backward_passes_per_step, ReduceOp(op),
-                   gradient_predivide_factor, num_groups, groups, sparse_as_dense)  # fmt: skip
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)  # fmt: skip
     return wrapped
