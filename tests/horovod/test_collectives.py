@@ -19,6 +19,20 @@ def test_collectives_and_errors(tmp_path, workers):
     assert "rank 0 (2,), rank 1 (3,)" in messages.pop()
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_process_sets_join_gradients_and_reinit(tmp_path, workers):
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
+                SCRIPTS / "horovod_more.py", tmp_path])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = read_ranks(tmp_path, workers)
+    for r in ranks:
+        assert r["failures"] == []
+    # Errors inside a process set name global ranks; after join only allreduce goes on.
+    if workers == 3:
+        assert ranks[0]["errors"]["mismatch in a set"] == "allreduce: tensor shapes differ across ranks (rank 0 (1,), rank 2 (3,))"
+    assert ranks[1]["errors"]["allgather after join"].startswith("allgather: ranks [0] have joined")
+
+
 def test_single_process_is_a_job_of_one():
     code = (
         "import torch, trainaccel.horovod as hvd; hvd.init(); "

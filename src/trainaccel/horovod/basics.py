@@ -35,6 +35,7 @@ def init(comm: object = None, process_sets: Any = None) -> None:
     guard_exit()  # Gloo's threads may still be winding down when a short script exits
     if not was_up:
         _forget_state()
+    _topology()  # collective: done now, on every worker, rather than lazily inside local_rank() on some
     if isinstance(process_sets, (list, tuple)):
         from trainaccel.horovod.process_sets import add_process_set
 

@@ -57,8 +57,12 @@ def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     return everyone
 
 
-def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_may_differ: bool = False) -> str | None:
-    """The error the workers in `rows` raise for their descriptors, or None when they agree."""
+def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_may_differ: bool = False,
+             ranks: list[int] | None = None) -> str | None:  # fmt: skip
+    """The error the workers in `rows` raise for their descriptors, or None when they agree.
+
+    `ranks` are the global ranks of the rows (a process set's members), for the message.
+    """
     kind = next(k for k, v in KINDS.items() if v == int(everyone[rows[0], 0]))
     sub = everyone[rows]
 
@@ -66,7 +70,7 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
         return bool((sub[:, column] != sub[0, column]).any())
 
     def listing(fmt: Callable[[torch.Tensor], str]) -> str:
-        return ", ".join(f"rank {r} {fmt(everyone[r])}" for r in rows)
+        return ", ".join(f"rank {ranks[r] if ranks else r} {fmt(everyone[r])}" for r in rows)
 
     if differs(slice(0, 1)):
         return f"{label}: ranks called different operations ({listing(lambda d: _kind_name(int(d[0])))})"
@@ -84,8 +88,8 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
     return None
 
 
-def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0, *,
-              group: dist.ProcessGroup | None = None, first_dim_may_differ: bool = False) -> torch.Tensor:  # fmt: skip
+def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0, *, group: dist.ProcessGroup | None = None,
+              ranks: list[int] | None = None, first_dim_may_differ: bool = False) -> torch.Tensor:  # fmt: skip
     """Exchange descriptors within `group`; raise on every worker if they disagree. Returns them all."""
     everyone = _gather(describe(kind, tensor, extra), group)
     label = f"{kind} {name!r}" if name else kind
@@ -93,7 +97,7 @@ def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0,
     if joined and kind != "allreduce":
         raise RuntimeError(f"{label}: ranks {joined} have joined; after hvd.join() only allreduce goes on")
     active = [r for r in range(everyone.shape[0]) if r not in joined]
-    error = mismatch(everyone, active, label, first_dim_may_differ=first_dim_may_differ)
+    error = mismatch(everyone, active, label, first_dim_may_differ=first_dim_may_differ, ranks=ranks)
     if error:
         raise RuntimeError(error)
     return everyone

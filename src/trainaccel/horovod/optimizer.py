@@ -9,6 +9,7 @@ starts the buckets still waiting (parameters unused on this rank count as zero) 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -212,6 +213,11 @@ class _DistributedOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         if not self._skip_synchronize:
+            if self._synchronized and self._process_set is not None:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(); wrap step() in `with optimizer.skip_synchronize():` to say it is intended"
+                )
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)  # type: ignore[misc]
