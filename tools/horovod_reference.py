@@ -98,7 +98,7 @@ def worker(suite: Path, out: Path, expr: str | None, skip: list[str]) -> int:
     for newer in NEWER_OPTIMIZERS:
         if hasattr(torch.optim, newer):
             getattr(torch.optim, newer).__module__ = "hidden_from_the_suite"
-    args = [str(suite), "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=300", "-W", "ignore"]
+    args = [str(suite), "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=300"]
     if expr:
         args += ["-k", expr]
     for nodeid in skip:

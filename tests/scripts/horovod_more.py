@@ -127,6 +127,36 @@ for step in range(n):
 check("optimizer with join", last == n - 1 and close(model.weight.detach(), reference.weight.detach(), atol=1e-6))
 
 
+# trainaccel's sparsifying codecs in DistributedOptimizer: each rank sends its top 2 of 8, and
+# what it did not send is added to its next gradient (error feedback).
+coeffs = [torch.roll(torch.arange(1.0, 9.0), 3 * k) * (-1) ** k for k in range(n)]  # distinct magnitudes
+
+
+def top2(t: torch.Tensor) -> torch.Tensor:
+    kept = torch.zeros_like(t)
+    idx = t.abs().topk(2).indices
+    kept[idx] = t[idx]
+    return kept
+
+
+p8 = torch.nn.Parameter(torch.zeros(8))
+opt = hvd.DistributedOptimizer(torch.optim.SGD([p8], lr=0.0), [("p8", p8)], compression=hvd.Compression.topk(0.25))
+residuals = [torch.zeros(8) for _ in range(n)]
+for step in range(2):
+    opt.zero_grad()
+    (p8 * coeffs[r]).sum().backward()
+    opt.step()
+    corrected = [c + res for c, res in zip(coeffs, residuals)]
+    residuals = [c - top2(c) for c in corrected]
+    check(f"topk step {step}", close(p8.grad, sum(top2(c) for c in corrected) / n))
+raises("topk in allreduce", lambda: hvd.allreduce(torch.ones(2), compression=hvd.Compression.topk()), ValueError,
+       "pass it to DistributedOptimizer")  # fmt: skip
+opt = hvd.DistributedOptimizer(torch.optim.SGD([p8], lr=0.0), [("p8", p8)], compression=hvd.Compression.bf16)
+opt.zero_grad()
+(p8 * coeffs[r]).sum().backward()
+opt.step()
+check("bf16 compression", close(p8.grad, sum(coeffs) / n) and p8.grad.dtype == torch.float32)
+
 # shutdown and init again, with a process set registered at init.
 hvd.shutdown()
 hvd.init(process_sets=[hvd.ProcessSet(evens)])

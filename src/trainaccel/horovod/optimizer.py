@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.horovod.basics import _check
-from trainaccel.horovod.compression import Compression, Compressor
+from trainaccel.comm.exchange import exchange
+from trainaccel.horovod import negotiation
+from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
 from trainaccel.horovod import ops
 from trainaccel.horovod.ops import Adasum, Average, ReduceOp, Sum, broadcast_, broadcast_object
 from trainaccel.horovod.process_sets import ProcessSet, resolve
@@ -157,7 +159,9 @@ class _DistributedOptimizer:
             dense.append(p)
             grads.append(grad.reshape(-1))
         handle = ctx = None
-        if grads:
+        if grads and isinstance(self._compression, CodecCompression):
+            handle = self._exchange(index, torch.cat(grads))
+        elif grads:
             flat = torch.cat(grads)
             if self._predivide != 1.0:
                 flat.div_(self._predivide)
@@ -166,6 +170,14 @@ class _DistributedOptimizer:
             handle = ops.allreduce_async_(payload, op=Sum, process_set=self._process_set)
         self._handles[index] = (handle, ctx, dense, sparse)
         self._next_bucket = index + 1
+
+    def _exchange(self, index: int, flat: torch.Tensor) -> Any:
+        """A sparsifying codec: values and indices are gathered, not summed, so join cannot take part."""
+        ps = self._process_set
+        negotiation.negotiate("allgather", f"bucket {index}", flat, group=ps.group, ranks=ps.ranks)
+        codec, feedback = self._compression.codec, self._compression.feedback
+        future, _ = exchange(codec, feedback, flat, index, ps.group or dist.group.WORLD, 1.0 / self._predivide)
+        return future
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting buckets still waiting) and write them to `.grad`."""
@@ -179,7 +191,10 @@ class _DistributedOptimizer:
                 p.grad = wait()
             if handle is None:
                 continue
-            flat = self._compression.decompress(ops.synchronize(handle), ctx)
+            if not isinstance(handle, ops.Handle):  # a codec exchange's future
+                flat = handle.wait()
+            else:
+                flat = self._compression.decompress(ops.synchronize(handle), ctx)
             if self._op == Average:
                 flat = flat.div(world / self._predivide)
             offset = 0
@@ -231,7 +246,7 @@ class _DistributedOptimizer:
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    compression: type[Compressor] = Compression.none,
+    compression: type[Compressor] | CodecCompression = Compression.none,
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
