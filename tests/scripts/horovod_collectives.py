@@ -93,6 +93,17 @@ check("broadcast_object", hvd.broadcast_object({"from": r}, root_rank=root) == {
 check("allgather_object", hvd.allgather_object(("rank", r)) == [("rank", k) for k in range(n)])
 hvd.barrier()
 
+# CPU float16 through every collective (Gloo moves and sums half precision).
+half = values[r].half()
+check("broadcast fp16", torch.equal(hvd.broadcast(half, root_rank=root), values[root].half()))
+out16 = hvd.alltoall(torch.full((n, 2), float(r)).half())
+check("alltoall fp16", out16.dtype == torch.float16 and out16[:, 0].tolist() == [float(k) for k in range(n)])
+rs16 = hvd.reducescatter(torch.ones(n, 2).half(), op=hvd.Sum)
+check("reducescatter fp16", rs16.dtype == torch.float16 and torch.equal(rs16, torch.full((1, 2), float(n)).half()))
+gr16 = hvd.grouped_allreduce([half, half * 2], op=hvd.Sum)
+check("grouped_allreduce fp16", all(t.dtype == torch.float16 for t in gr16) and torch.allclose(gr16[1].float(), sum(values) * 2))
+check("allgather_object fp16 tensor", hvd.allgather_object(half)[root].dtype == torch.float16)
+
 # Mismatches raise the same error on every rank instead of hanging.
 raises("shape mismatch", lambda: hvd.allreduce(torch.ones(r + 2)), RuntimeError, "tensor shapes differ across ranks")
 raises("dtype mismatch", lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64)),
