@@ -35,13 +35,15 @@ class NoneCompressor(Compressor):
         return tensor
 
 
-class FP16Compressor(Compressor):
-    """Floating-point tensors travel as float16; other dtypes are left alone."""
+class _CastCompressor(Compressor):
+    """Floating-point tensors travel as `wire_dtype`; other dtypes are left alone."""
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    wire_dtype = torch.float16
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if tensor.dtype.is_floating_point:
-            return tensor.type(torch.float16), tensor.dtype
+            return tensor.type(cls.wire_dtype), tensor.dtype
         return tensor, tensor.dtype
 
     @staticmethod
@@ -49,18 +51,14 @@ class FP16Compressor(Compressor):
         return tensor.type(ctx) if ctx is not None and ctx.is_floating_point else tensor
 
 
-class BF16Compressor(Compressor):
-    """Floating-point tensors travel as bfloat16 (float32's range, so no overflow); others are left alone."""
+class FP16Compressor(_CastCompressor):
+    wire_dtype = torch.float16
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if tensor.dtype.is_floating_point:
-            return tensor.type(torch.bfloat16), tensor.dtype
-        return tensor, tensor.dtype
 
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return tensor.type(ctx) if ctx is not None and ctx.is_floating_point else tensor
+class BF16Compressor(_CastCompressor):
+    """bfloat16 has float32's range, so large gradients do not overflow as in float16."""
+
+    wire_dtype = torch.bfloat16
 
 
 class CodecCompression:
