@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import SCRIPTS, run, trainaccel_cmd
+from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
 
 
 def reference(world: int, passes: int) -> list[torch.Tensor]:
@@ -82,3 +82,14 @@ def test_unused_parameters_synchronize_and_groups(tmp_path, workers):
                 SCRIPTS / "horovod_unused.py", tmp_path])  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(r["failures"] == [] for r in read_ranks(tmp_path, workers))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_optimizer_options_and_every_optimizer_state(tmp_path, workers):
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
+                SCRIPTS / "horovod_optimizer_options.py", tmp_path])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = read_ranks(tmp_path, workers)
+    for r in ranks:
+        assert r["failures"] == []
+    assert {"Adam", "SGD", "RMSprop", "Adagrad"} <= set(ranks[0]["optimizers"])

@@ -45,6 +45,24 @@ handle = hvd.allreduce_async(mine, name="async.sum", op=hvd.Sum)
 raises("duplicate name", lambda: hvd.allreduce_async(mine, name="async.sum"), ValueError, "already in flight")
 check("async", torch.equal(hvd.synchronize(handle), sum(values)) and hvd.poll(handle))
 
+# Every async form returns a handle for poll/synchronize and refuses a second op of the same name.
+for label, start in [
+    ("allgather_async", lambda name: hvd.allgather_async(mine, name=name)),
+    ("broadcast_async", lambda name: hvd.broadcast_async(mine, 0, name=name)),
+    ("broadcast_async_", lambda name: hvd.broadcast_async_(mine.clone(), 0, name=name)),
+    ("alltoall_async", lambda name: hvd.alltoall_async(torch.ones(n, 2), name=name)),
+    ("reducescatter_async", lambda name: hvd.reducescatter_async(torch.ones(n, 2), name=name)),
+    ("grouped_allgather_async", lambda name: hvd.grouped_allgather_async([mine], name=name)),
+    ("grouped_reducescatter_async", lambda name: hvd.grouped_reducescatter_async([torch.ones(n)], name=name)),
+    ("allreduce_async_", lambda name: hvd.allreduce_async_(mine.clone(), name=name)),
+    ("grouped_allreduce_async_", lambda name: hvd.grouped_allreduce_async_([mine.clone()], name=name)),
+]:
+    handle = start(f"{label}.x")
+    raises(f"{label} duplicate name", lambda: start(f"{label}.x"), ValueError, "already in flight")
+    result = hvd.synchronize(handle)
+    check(f"{label} result", result is not None and hvd.poll(handle))
+    hvd.synchronize(start(f"{label}.x"))  # the name is free again
+
 # allgather: rank k sends k+1 rows filled with k.
 rows = torch.full((r + 1, 3), float(r))
 gathered = hvd.allgather(rows)
