@@ -14,6 +14,7 @@ If a test kills the workers, it is reported as failed and the run goes on after 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ SHIMS = {
     ),
 }
 NEWER_OPTIMIZERS = ["Muon"]
+TEST_TIMEOUT_S = 180
 OPTIONAL_SHIMS = {"mock": "from unittest.mock import *\n", "cloudpickle": "from pickle import *\n"}
 
 
@@ -64,6 +66,12 @@ class _Recorder:
 
     def pytest_runtest_logstart(self, nodeid: str, location: object) -> None:
         self._write(test=nodeid, outcome="started")
+        # A test that fails on some ranks only leaves the others waiting in a collective:
+        # end the worker, so the run goes on from the next test.
+        faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
+        faulthandler.cancel_dump_traceback_later()
 
     def pytest_runtest_logreport(self, report: object) -> None:
         outcome = report.outcome  # type: ignore[attr-defined]
@@ -98,7 +106,7 @@ def worker(suite: Path, out: Path, expr: str | None, skip: list[str]) -> int:
     for newer in NEWER_OPTIMIZERS:
         if hasattr(torch.optim, newer):
             getattr(torch.optim, newer).__module__ = "hidden_from_the_suite"
-    args = [str(suite), "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=300"]
+    args = [str(suite), "-q", "-p", "no:cacheprovider", "-p", "no:faulthandler"]
     if expr:
         args += ["-k", expr]
     for nodeid in skip:
