@@ -86,13 +86,17 @@ def _start_process_group(mapped: dict[str, str]) -> None:
     else:
         backend = "gloo"
     global _incarnation
-    if _incarnation == 0:
+    # torchrun's agent keeps its store across restarts of the workers (TORCHELASTIC_USE_AGENT_STORE):
+    # a restarted group would read the last attempt's Gloo addresses and fail or hang.
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "0"
+    if _incarnation == 0 and restart == "0":
         dist.init_process_group(backend=backend, init_method="env://")
     else:
-        # After a shutdown the launcher's store still holds the last group's keys; a fresh
+        # After a shutdown or a restart the store still holds the last group's keys; a fresh
         # prefix keeps the new group from reading them (every rank counts incarnations alike).
         store, rank, world = next(dist.rendezvous("env://"))
-        store = dist.PrefixStore(f"trainaccel/incarnation{_incarnation}", store)
+        store = dist.PrefixStore(f"trainaccel/restart{restart}/incarnation{_incarnation}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     _incarnation += 1
     log.debug("started process group %s: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
