@@ -24,7 +24,7 @@ from trainaccel.horovod.ops import (
 from trainaccel.horovod.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from trainaccel.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from trainaccel.horovod.sync_batch_norm import SyncBatchNorm
-# from trainaccel.horovod import elastic  (pending)
+from trainaccel.horovod import elastic
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Handle", "HorovodInternalError",
