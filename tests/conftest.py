@@ -70,6 +70,16 @@ def read_ranks(directory: Path, world: int) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def run_checks(script: str, out_dir: Path, workers: int, *args) -> list[dict]:
+    """Launch a worker script that writes OUT_DIR/rank{r}.json (see scripts/checks.py); assert no check failed."""
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, SCRIPTS / script, out_dir, *args])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = read_ranks(out_dir, workers)
+    for rank, result in enumerate(ranks):
+        assert result["failures"] == [], f"rank {rank}"
+    return ranks
+
+
 @pytest.fixture
 def scripts() -> Path:
     return SCRIPTS

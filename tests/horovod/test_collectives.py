@@ -2,17 +2,12 @@
 
 import pytest
 
-from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
+from conftest import run, run_checks
 
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_collectives_and_errors(tmp_path, workers):
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
-                SCRIPTS / "horovod_collectives.py", tmp_path, workers])  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = read_ranks(tmp_path, workers)
-    for r in ranks:
-        assert r["failures"] == []
+    ranks = run_checks("horovod_collectives.py", tmp_path, workers, workers)
     # Every rank raised the same error, naming each rank's shape.
     messages = {r["errors"]["shape mismatch"] for r in ranks}
     assert len(messages) == 1
@@ -21,12 +16,7 @@ def test_collectives_and_errors(tmp_path, workers):
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_process_sets_join_gradients_and_reinit(tmp_path, workers):
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
-                SCRIPTS / "horovod_more.py", tmp_path])  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = read_ranks(tmp_path, workers)
-    for r in ranks:
-        assert r["failures"] == []
+    ranks = run_checks("horovod_more.py", tmp_path, workers)
     # Errors inside a process set name global ranks; after join only allreduce goes on.
     if workers == 3:
         assert ranks[0]["errors"]["mismatch in a set"] == "allreduce: tensor shapes differ across ranks (rank 0 (1,), rank 2 (3,))"

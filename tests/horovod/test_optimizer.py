@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
+from conftest import SCRIPTS, run, run_checks, trainaccel_cmd
 
 
 def reference(world: int, passes: int) -> list[torch.Tensor]:
@@ -76,20 +76,10 @@ wrapped.step()
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_unused_parameters_synchronize_and_groups(tmp_path, workers):
-    from conftest import read_ranks
-
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
-                SCRIPTS / "horovod_unused.py", tmp_path])  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert all(r["failures"] == [] for r in read_ranks(tmp_path, workers))
+    run_checks("horovod_unused.py", tmp_path, workers)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_optimizer_options_and_every_optimizer_state(tmp_path, workers):
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
-                SCRIPTS / "horovod_optimizer_options.py", tmp_path])  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = read_ranks(tmp_path, workers)
-    for r in ranks:
-        assert r["failures"] == []
+    ranks = run_checks("horovod_optimizer_options.py", tmp_path, workers)
     assert {"Adam", "SGD", "RMSprop", "Adagrad"} <= set(ranks[0]["optimizers"])
