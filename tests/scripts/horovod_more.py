@@ -97,6 +97,8 @@ else:
     check("Average with a joined rank", close(avg, torch.full((2,), sum(range(1, n)) / n)))
     mx = hvd.allreduce(torch.full((2,), -5.0 - r), op=hvd.Max)
     check("Max with a joined rank", torch.equal(mx, torch.full((2,), -6.0)))
+    i16 = hvd.allreduce(torch.full((2,), r, dtype=torch.int16), op=hvd.Sum)  # widened to int32 for Gloo
+    check("int16 with a joined rank", i16.dtype == torch.int16 and i16.tolist() == [sum(range(1, n))] * 2)
     raises("allgather after join", lambda: hvd.allgather(torch.ones(1)), RuntimeError, "[0] have joined")
     last = hvd.join()
 check("join returns the last to join", hvd.allgather_object(last) == [n - 1] * n)

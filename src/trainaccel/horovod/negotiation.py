@@ -103,10 +103,11 @@ def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0,
     return everyone
 
 
-def join() -> int:
+def join(device: torch.device) -> int:
     """Take part in the others' allreduces with the identity until every worker has joined.
 
-    Returns the rank that joined last (the same on every worker).
+    The identity tensors live on `device`, which must be where the others' tensors are (NCCL
+    reduces CUDA tensors, Gloo CPU ones). Returns the rank that joined last, the same everywhere.
     """
     joined_at = _rounds
     while True:
@@ -118,9 +119,10 @@ def join() -> int:
         if int(first[0]) != KINDS["allreduce"] or mismatch(everyone, active, "allreduce"):
             continue  # the active workers raise without starting a collective
         dtype = DTYPES[int(first[1])]
+        dtype = torch.int32 if dtype == torch.int16 else dtype  # the others widen int16 for Gloo
         shape = [int(x) for x in first[_HEAD : _HEAD + int(first[2])]]
         op = OP_NAMES[int(first[3]) % _OPS]
-        dist.all_reduce(identity(op, shape, dtype), op=TORCH_OPS[op])
+        dist.all_reduce(identity(op, shape, dtype).to(device), op=TORCH_OPS[op])
 
 
 TORCH_OPS = {"Average": dist.ReduceOp.SUM, "Sum": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,

@@ -296,9 +296,14 @@ def barrier(process_set: ProcessSet | None = None) -> None:
 
 
 def join(device: int = -1) -> int:
-    """This worker has no more data: take part in the others' allreduces until all join; returns the last to join."""
+    """This worker has no more data: take part in the others' allreduces until all join; returns the last to join.
+
+    `device` is the CUDA device of the tensors the others reduce (-1: CPU), as in Horovod.
+    """
     _check()
-    return negotiation.join()
+    if isinstance(device, bool) or not isinstance(device, int) or device < -1:
+        raise ValueError(f"invalid device={device!r}; accepted: -1 (CPU) or a CUDA device index")
+    return negotiation.join(torch.device("cpu") if device < 0 else torch.device("cuda", device))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None) -> Any:
