@@ -1,0 +1,14 @@
+"""Input pipelines: images packed into indexed TFRecord shards, read with verified random access.
+
+Needs the `data` extra (`pip install 'trainaccel[data]'`): crc32c, protobuf and Pillow.
+"""
+
+from trainaccel.data.example import ImageRecord, decode_example, encode_example
+from trainaccel.data.records import (
+    CorruptRecordError, RecordFile, RecordWriter, build_index, index_path, masked_crc, read_index, write_index,
+)  # fmt: skip
+
+__all__ = [
+    "CorruptRecordError", "ImageRecord", "RecordFile", "RecordWriter", "build_index", "decode_example",
+    "encode_example", "index_path", "masked_crc", "read_index", "write_index",
+]  # fmt: skip
