@@ -1,4 +1,4 @@
-"""The `trainaccel` command: run, info, demo."""
+"""The `trainaccel` command: run, info, demo, bench, pack."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from trainaccel import __version__
 
-USAGE = """trainaccel {run,info,demo,bench} ...
+USAGE = """trainaccel {run,info,demo,bench,pack} ...
 
   run    start a training script with trainaccel (every torchrun flag, plus
          trainaccel options and -np/-H host lists); see `trainaccel run --help`
@@ -15,6 +15,8 @@ USAGE = """trainaccel {run,info,demo,bench} ...
   demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
   bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms),
          `trainaccel bench comm` (allreduce bandwidth over message sizes)
+  pack   image files into indexed TFRecord shards: `trainaccel pack make-list`,
+         `trainaccel pack imagefolder`, `trainaccel pack list`
 """
 
 
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(argv[1:])
     parser = argparse.ArgumentParser(prog="trainaccel", usage=USAGE)
     parser.add_argument("--version", action="version", version=f"trainaccel {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo,bench,pack}")
     commands.add_parser("run", help="start a training script (see `trainaccel run --help`)")
     commands.add_parser("info", help="versions, backends, devices and the resolved configuration")
     demo = commands.add_parser("demo", help="plain DDP vs trainaccel on local CPU workers")
@@ -42,7 +44,17 @@ def main(argv: list[str] | None = None) -> int:
 
     add_train_arguments(bench.add_parser("train", help="examples/s per worker: baseline vs trainaccel vs local"))
     add_comm_arguments(bench.add_parser("comm", help="allreduce bus bandwidth over message sizes, per codec"))
+    packing = commands.add_parser("pack", help="image files into indexed TFRecord shards").add_subparsers(
+        dest="pack_command", metavar="{make-list,imagefolder,list}", required=True
+    )
+    from trainaccel.data.pack_cli import add_arguments as add_pack_arguments
+
+    add_pack_arguments(packing)
     args = parser.parse_args(argv)
+    if args.command == "pack":
+        from trainaccel.data.pack_cli import main as pack_main
+
+        return pack_main(args)
     if args.command == "info":
         from trainaccel.info import main as info_main
 

@@ -70,7 +70,7 @@ def encode_example(features: Mapping[str, Value | Sequence[Value]]) -> bytes:
         else:
             kinds = sorted({type(v).__name__ for v in values})
             raise ValueError(f"feature {key!r} has values of types {kinds}; accepted: all bytes/str, all int, or all float")
-    return example.SerializeToString()
+    return example.SerializeToString(deterministic=True)  # map keys sorted: the same bytes in every process
 
 
 def decode_example(payload: bytes) -> dict[str, list[Any]]:

@@ -1,0 +1,128 @@
+"""`trainaccel pack`: lists, shards, resizing, bad files, workers, and resuming after a kill."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from PIL import Image
+
+from conftest import run, trainaccel_cmd
+from trainaccel.data import ImageRecord, RecordFile
+
+
+def make_images(root, classes=3, per_class=8, size=(64, 48)):
+    """IMG_DIR/<class>/<n>.jpg (and one PNG), each with its own colour."""
+    for c in range(classes):
+        (root / f"class{c}").mkdir(parents=True)
+        for n in range(per_class):
+            image = Image.new("RGB", size, (40 * c, 10 * n, 200))
+            suffix = "png" if (c, n) == (0, 0) else "jpg"
+            image.save(root / f"class{c}" / f"{n:03d}.{suffix}")
+    return root
+
+
+def read_pack(out):
+    """Every record of a pack, in shard order, and the manifest."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    records = [ImageRecord.from_example(p) for s in manifest["shards"] for p in RecordFile(out / s["name"])]
+    return records, manifest
+
+
+def pack(*args, timeout=120):
+    return run([*trainaccel_cmd(), "pack", *map(str, args)], timeout=timeout)
+
+
+def test_make_list_and_labels(tmp_path):
+    images = make_images(tmp_path / "img")
+    proc = pack("make-list", images, tmp_path / "train.txt")
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "train.txt").read_text().splitlines()
+    assert len(lines) == 24 and lines[0] == "class0/000.png 0" and lines[-1] == "class2/007.jpg 2"
+    assert json.loads((tmp_path / "labels.json").read_text()) == {"class0": 0, "class1": 1, "class2": 2}
+    (tmp_path / "partial.json").write_text(json.dumps({"class0": 5}))
+    proc = pack("make-list", images, tmp_path / "other.txt", "--labels", tmp_path / "partial.json")
+    assert proc.returncode == 2 and "no label for class folder(s) ['class1', 'class2']" in proc.stderr
+
+
+def test_imagefolder_packs_every_image_once_with_labels(tmp_path):
+    images = make_images(tmp_path / "img")
+    proc = pack("imagefolder", images, tmp_path / "out", "--shard-size", "5")
+    assert proc.returncode == 0, proc.stderr
+    records, manifest = read_pack(tmp_path / "out")
+    assert [r.filename for r in records] == sorted(str(p.relative_to(images)) for p in images.rglob("*.*"))
+    assert [r.label for r in records] == [int(r.filename[5]) for r in records]
+    assert len(manifest["shards"]) == 5 and manifest["records"] == 24 and manifest["skipped"] == []
+    assert records[0].encoded == (images / "class0/000.png").read_bytes() and records[0].format == "png"
+    assert (records[1].height, records[1].width) == (48, 64)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("shard-")) == ["manifest.json"]
+    # Packed again with the same arguments: nothing to do; with others: refused.
+    assert pack("imagefolder", images, tmp_path / "out", "--shard-size", "5").returncode == 0
+    proc = pack("imagefolder", images, tmp_path / "out", "--shard-size", "6")
+    assert proc.returncode == 2 and "already holds a finished pack made with other arguments" in proc.stderr
+
+
+def test_max_side_resizes_and_shard_size_in_bytes(tmp_path):
+    images = make_images(tmp_path / "img", classes=2, per_class=4, size=(300, 200))
+    proc = pack("imagefolder", images, tmp_path / "out", "--max-side", "32", "--quality", "80", "--shard-size", "3KB")
+    assert proc.returncode == 0, proc.stderr
+    records, manifest = read_pack(tmp_path / "out")
+    assert all((r.width, r.height, r.format) == (32, 21, "jpeg") for r in records)
+    assert Image.open(__import__("io").BytesIO(records[0].encoded)).size == (32, 21)
+    assert len(manifest["shards"]) > 1
+
+
+@pytest.mark.parametrize("on_error", ["skip", "fail"])
+def test_a_damaged_image_is_listed_or_stops_the_pack(tmp_path, on_error):
+    images = make_images(tmp_path / "img", classes=2, per_class=3)
+    (images / "class1" / "001.jpg").write_bytes(b"not a jpeg")
+    proc = pack("imagefolder", images, tmp_path / "out", "--on-error", on_error)
+    if on_error == "fail":
+        assert proc.returncode == 2 and "class1/001.jpg: UnidentifiedImageError" in proc.stderr
+        assert not (tmp_path / "out" / "manifest.json").exists()
+        return
+    assert proc.returncode == 0 and "1 skipped" in proc.stdout
+    records, manifest = read_pack(tmp_path / "out")
+    assert len(records) == 5 and [s["path"] for s in manifest["skipped"]] == ["class1/001.jpg"]
+
+
+def test_list_and_workers_give_the_same_shards(tmp_path):
+    images = make_images(tmp_path / "img")
+    assert pack("make-list", images, tmp_path / "train.txt").returncode == 0
+    one = pack("list", tmp_path / "train.txt", images, tmp_path / "one", "--shard-size", "4")
+    two = pack("list", tmp_path / "train.txt", images, tmp_path / "two", "--shard-size", "4", "--workers", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    (_, m1), (_, m2) = read_pack(tmp_path / "one"), read_pack(tmp_path / "two")
+    assert [s["sha256"] for s in m1["shards"]] == [s["sha256"] for s in m2["shards"]]
+    assert m1["labels"] == {"class0": 0, "class1": 1, "class2": 2}
+
+
+def test_bad_arguments_name_the_value(tmp_path):
+    images = make_images(tmp_path / "img", classes=1, per_class=1)
+    proc = pack("imagefolder", images, tmp_path / "out", "--shard-size", "12XB")
+    assert proc.returncode == 2 and "invalid shard size '12XB'" in proc.stderr
+    proc = pack("imagefolder", images, tmp_path / "out", "--quality", "0")
+    assert proc.returncode == 2 and "invalid quality=0" in proc.stderr
+    (tmp_path / "bad.txt").write_text("class0/000.png 0\nno-label-here\n")
+    proc = pack("list", tmp_path / "bad.txt", images, tmp_path / "out")
+    assert proc.returncode == 2 and "bad.txt:2: expected `relative/path label`" in proc.stderr
+
+
+def test_a_killed_pack_resumes_to_exactly_one_copy_of_every_image(tmp_path):
+    images = make_images(tmp_path / "img", classes=4, per_class=60, size=(400, 300))
+    out = tmp_path / "out"
+    args = [*trainaccel_cmd(), "pack", "imagefolder", str(images), str(out), "--shard-size", "8", "--max-side", "64"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(list(out.glob("*.done.json"))) < 3 and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "the pack finished before it could be interrupted"
+    assert len(list(out.glob("*.done.json"))) >= 3
+    proc = pack("imagefolder", images, out, "--shard-size", "8", "--max-side", "64")
+    assert proc.returncode == 0, proc.stderr
+    records, manifest = read_pack(out)
+    assert sorted(r.filename for r in records) == sorted(str(p.relative_to(images)) for p in images.rglob("*.*"))
+    assert manifest["records"] == 240 and not list(out.glob(".*partial"))
