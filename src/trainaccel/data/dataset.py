@@ -1,0 +1,101 @@
+"""`RecordDataset`: a map-style dataset over packed shards, or over TFRecord shards from other tools."""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainaccel.data.example import ImageRecord
+from trainaccel.data.records import RecordFile
+
+OUTPUTS = ("pil", "tensor", "bytes")
+
+
+class RecordDataset(torch.utils.data.Dataset):
+    """`(image, label)` pairs from shards, with random access through each shard's index.
+
+    `path` is a pack's folder or manifest.json, a shard, or a glob of shards (their `.index`
+    files are used, or the index is built by scanning). `output`: "pil" (RGB PIL image), "tensor"
+    (uint8 CHW) or "bytes" (as stored). `decode_size=(w, h)` lets JPEG decoding scale down in
+    the DCT domain to no less than that size. CRCs are checked on every read unless `verify=False`.
+    """
+
+    def __init__(self, path: str | Path, transform: Callable[[Any], Any] | None = None,
+                 target_transform: Callable[[int], Any] | None = None, output: str = "pil",
+                 decode_size: int | tuple[int, int] | None = None, verify: bool = True):  # fmt: skip
+        if output not in OUTPUTS:
+            raise ValueError(f"invalid output={output!r}; accepted: {', '.join(OUTPUTS)}")
+        if isinstance(decode_size, int) and not isinstance(decode_size, bool):
+            decode_size = (decode_size, decode_size)
+        if decode_size is not None and (len(decode_size) != 2 or min(decode_size) < 1):
+            raise ValueError(f"invalid decode_size={decode_size!r}; accepted: a size N or (width, height), at least 1")
+        self.transform, self.target_transform = transform, target_transform
+        self.output, self.decode_size = output, decode_size
+        self.labels: dict[str, int] = {}
+        shards = self._find_shards(Path(path))
+        self.shards = [RecordFile(s, verify=verify) for s in shards]
+        self._ends = np.cumsum([len(s) for s in self.shards]).tolist()
+
+    def _find_shards(self, path: Path) -> list[Path]:
+        manifest = path / "manifest.json" if path.is_dir() else path if path.name == "manifest.json" else None
+        if manifest is not None:
+            if not manifest.is_file():
+                raise FileNotFoundError(f"no manifest.json in {path}; pass a pack's folder, a shard or a glob of shards")
+            content = json.loads(manifest.read_text())
+            self.labels = content.get("labels", {})
+            return [manifest.parent / s["name"] for s in content["shards"]]
+        found = sorted(Path(p) for p in glob.glob(str(path))) if glob.has_magic(str(path)) else [path]
+        shards = [p for p in found if p.is_file() and not p.name.endswith(".index")]
+        if not shards:
+            raise FileNotFoundError(f"no shards match {path}")
+        return shards
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard number, record number in the shard) of a dataset index."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} records")
+        index %= len(self)
+        shard = bisect.bisect_right(self._ends, index)
+        return shard, index - (self._ends[shard - 1] if shard else 0)
+
+    def record(self, index: int) -> ImageRecord:
+        """The stored record: encoded bytes, label, size and file name."""
+        shard, number = self.locate(index)
+        return ImageRecord.from_example(self.shards[shard][number])
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        record = self.record(index)
+        image: Any = record.encoded if self.output == "bytes" else self._decode(record.encoded)
+        label: Any = record.label
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    def _decode(self, encoded: bytes) -> Any:
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(encoded))
+        if self.decode_size is not None:
+            image.draft("RGB", self.decode_size)  # JPEG: decode at 1/2, 1/4 or 1/8 scale when that suffices
+        image = image.convert("RGB")
+        if self.output == "pil":
+            return image
+        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """Each shard's [start, end) of dataset indices, for samplers that keep reads local."""
+        starts = [0, *self._ends[:-1]]
+        return list(zip(starts, self._ends))
