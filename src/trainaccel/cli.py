@@ -16,7 +16,7 @@ USAGE = """trainaccel {run,info,demo,bench,pack} ...
   bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms),
          `trainaccel bench comm` (allreduce bandwidth over message sizes)
   pack   image files into indexed TFRecord shards: `trainaccel pack make-list`,
-         `trainaccel pack imagefolder`, `trainaccel pack list`
+         `trainaccel pack imagefolder`, `trainaccel pack list`, `trainaccel pack coco`
 """
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(bench.add_parser("train", help="examples/s per worker: baseline vs trainaccel vs local"))
     add_comm_arguments(bench.add_parser("comm", help="allreduce bus bandwidth over message sizes, per codec"))
     packing = commands.add_parser("pack", help="image files into indexed TFRecord shards").add_subparsers(
-        dest="pack_command", metavar="{make-list,imagefolder,list}", required=True
+        dest="pack_command", metavar="{make-list,imagefolder,list,coco}", required=True
     )
     from trainaccel.data.pack_cli import add_arguments as add_pack_arguments
 

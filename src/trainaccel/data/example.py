@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 
@@ -55,12 +56,25 @@ Example, Feature = _CLASSES["Example"], _CLASSES["Feature"]
 Value = Union[bytes, str, int, float]
 
 
-def encode_example(features: Mapping[str, Value | Sequence[Value]]) -> bytes:
-    """A serialized Example: bytes and str become bytes_list, int int64_list, float float_list."""
+def encode_example(features: Mapping[str, Value | Sequence[Value] | np.ndarray]) -> bytes:
+    """A serialized Example: bytes and str become bytes_list, int int64_list, float float_list.
+
+    A NumPy array gives its kind by dtype, so an empty list of floats stays a float_list.
+    """
     example = Example()
     for key, value in features.items():
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
         target = example.features.feature[key]
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind == "f":
+                target.float_list.value.extend(value.ravel().tolist())
+            elif value.dtype.kind in "iu":
+                target.int64_list.value.extend(value.ravel().tolist())
+            elif value.dtype.kind in "OSU":
+                target.bytes_list.value.extend(v.encode() if isinstance(v, str) else bytes(v) for v in value.ravel())
+            else:
+                raise ValueError(f"feature {key!r}: arrays of dtype {value.dtype} are not accepted; use float, int or object arrays")
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
         if all(isinstance(v, (bytes, str)) for v in values) and values:
             target.bytes_list.value.extend(v.encode() if isinstance(v, str) else v for v in values)
         elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):

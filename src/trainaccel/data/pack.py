@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainaccel.data.example import ImageRecord
 from trainaccel.data.records import RecordWriter, index_path
 
@@ -34,11 +36,18 @@ class PackError(RuntimeError):
 
 @dataclass(frozen=True)
 class Item:
-    """One image to pack: its path under the image root, its label, and extra features (COCO)."""
+    """One image to pack: its path under the image root, its label, and extra features (COCO).
+
+    `extra` holds (key, kind, values) with kind "bytes", "int" or "float".
+    """
 
     path: str
     label: int
-    extra: tuple[tuple[str, Any], ...] = ()
+    extra: tuple[tuple[str, str, tuple[Any, ...]], ...] = ()
+
+    def features(self) -> dict[str, np.ndarray]:
+        kinds = {"bytes": object, "int": np.int64, "float": np.float32}
+        return {key: np.array(values, dtype=kinds[kind]) for key, kind, values in self.extra}
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,42 @@ def read_list(list_path: Path) -> list[Item]:
     return items
 
 
+def coco_items(annotations: Path) -> tuple[list[Item], dict[str, int]]:
+    """The images of a COCO annotation file, with TensorFlow's object-detection keys and the raw annotations.
+
+    Boxes are stored normalized to [0, 1] (they stay right when --max-side resizes the image);
+    `image/class/label` is -1, the categories are in `image/object/class/label` and `.../text`.
+    """
+    try:
+        data = json.loads(Path(annotations).read_text())
+        images, categories = data["images"], {c["id"]: c["name"] for c in data["categories"]}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise PackError(f"{annotations} is not a COCO annotation file (images, categories): {error!r}") from None
+    by_image: dict[Any, list[dict[str, Any]]] = {}
+    for ann in data.get("annotations", []):
+        if ann.get("category_id") not in categories:
+            raise PackError(f"{annotations}: annotation {ann.get('id')} has unknown category_id {ann.get('category_id')!r}")
+        by_image.setdefault(ann["image_id"], []).append(ann)
+    items = []
+    for image in sorted(images, key=lambda i: i["id"]):
+        anns, width, height = by_image.get(image["id"], []), image["width"], image["height"]
+        boxes = [a["bbox"] for a in anns]  # x, y, w, h in pixels
+        extra = (
+            ("image/source_id", "bytes", (str(image["id"]),)),
+            ("image/object/bbox/xmin", "float", tuple(x / width for x, _, _, _ in boxes)),
+            ("image/object/bbox/ymin", "float", tuple(y / height for _, y, _, _ in boxes)),
+            ("image/object/bbox/xmax", "float", tuple((x + w) / width for x, _, w, _ in boxes)),
+            ("image/object/bbox/ymax", "float", tuple((y + h) / height for _, y, _, h in boxes)),
+            ("image/object/class/label", "int", tuple(a["category_id"] for a in anns)),
+            ("image/object/class/text", "bytes", tuple(categories[a["category_id"]] for a in anns)),
+            ("image/object/area", "float", tuple(float(a.get("area", 0.0)) for a in anns)),
+            ("image/object/is_crowd", "int", tuple(int(a.get("iscrowd", 0)) for a in anns)),
+            ("image/coco/annotations", "bytes", (json.dumps(anns, sort_keys=True),)),
+        )
+        items.append(Item(image["file_name"], -1, extra))
+    return items, {name: cid for cid, name in sorted(categories.items())}
+
+
 def plan_shards(items: Sequence[Item], root: Path, shard_size: str) -> list[list[int]]:
     """Which items go to which shard: by count, or by the input files' sizes (known before packing)."""
     kind, limit = parse_shard_size(shard_size)
@@ -182,7 +227,7 @@ def pack_shard(job: tuple[Path, Path, str, list[Item], PackOptions]) -> dict[str
                 skipped.append({"path": item.path, "error": f"{type(error).__name__}: {error}"})
                 continue
             record = ImageRecord(encoded, item.label, fmt, height, width, item.path)
-            writer.write(record.to_example(**dict(item.extra)))
+            writer.write(record.to_example(**item.features()))
         records = len(writer.entries)
     result = {"name": name, "records": records, "bytes": (out / name).stat().st_size,
               "sha256": _sha256(out / name), "skipped": skipped}  # fmt: skip

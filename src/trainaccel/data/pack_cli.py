@@ -1,4 +1,4 @@
-"""`trainaccel pack`: make-list, imagefolder and list, with a progress bar and worker processes."""
+"""`trainaccel pack`: make-list, imagefolder, list and coco, with a progress bar and worker processes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainaccel.data.pack import PackError, PackOptions, folder_items, make_list, pack, read_labels, read_list
+from trainaccel.data.pack import (
+    PackError, PackOptions, coco_items, folder_items, make_list, pack, read_labels, read_list,
+)  # fmt: skip
 
 
 def add_arguments(commands: argparse._SubParsersAction) -> None:
@@ -22,7 +24,11 @@ def add_arguments(commands: argparse._SubParsersAction) -> None:
     listed.add_argument("img_root", type=Path)
     listed.add_argument("out", type=Path)
     listed.add_argument("--labels", type=Path, help="JSON {class: label} for the manifest; default: labels.json beside the list, if any")
-    for sub in (folder, listed):
+    coco = commands.add_parser("coco", help="pack the images of a COCO annotation file, with boxes and categories")
+    coco.add_argument("annotations", type=Path, help="COCO instances JSON (images, annotations, categories)")
+    coco.add_argument("img_dir", type=Path)
+    coco.add_argument("out", type=Path)
+    for sub in (folder, listed, coco):
         sub.add_argument("--shard-size", default="1000", help="records per shard (1000), or input bytes with a unit (64MB); default 1000")
         sub.add_argument("--max-side", type=int, help="resize so the longer side is at most N (re-encoded as JPEG); default: keep")
         sub.add_argument("--quality", type=int, default=90, help="JPEG quality for resized images (default 90)")
@@ -42,6 +48,10 @@ def main(args: argparse.Namespace) -> int:
             items, label_map = folder_items(args.img_dir)
             root = args.img_dir
             source = {"imagefolder": str(args.img_dir.resolve())}
+        elif args.pack_command == "coco":
+            items, label_map = coco_items(args.annotations)
+            root = args.img_dir
+            source = {"coco": str(args.annotations.resolve()), "img_dir": str(args.img_dir.resolve())}
         else:
             labels = args.labels or (args.list.parent / "labels.json")
             label_map = read_labels(labels) if args.labels or labels.exists() else {}
