@@ -14,7 +14,8 @@ USAGE = """trainaccel {run,info,demo,bench,pack} ...
   info   versions, backends, devices and the resolved configuration
   demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
   bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms),
-         `trainaccel bench comm` (allreduce bandwidth over message sizes)
+         `trainaccel bench comm` (allreduce bandwidth over message sizes),
+         `trainaccel bench data` (images/s of input pipelines)
   pack   image files into indexed TFRecord shards: `trainaccel pack make-list`,
          `trainaccel pack imagefolder`, `trainaccel pack list`, `trainaccel pack coco`
 """
@@ -37,13 +38,16 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo)
     bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
-        dest="benchmark", metavar="{train,comm}", required=True
+        dest="benchmark", metavar="{train,comm,data}", required=True
     )
     from trainaccel.bench.comm import add_arguments as add_comm_arguments
     from trainaccel.bench.train import add_arguments as add_train_arguments
 
     add_train_arguments(bench.add_parser("train", help="examples/s per worker: baseline vs trainaccel vs local"))
     add_comm_arguments(bench.add_parser("comm", help="allreduce bus bandwidth over message sizes, per codec"))
+    from trainaccel.bench.data import add_arguments as add_data_arguments
+
+    add_data_arguments(bench.add_parser("data", help="images/s: per-file loading vs packed shards, cold and warm cache"))
     packing = commands.add_parser("pack", help="image files into indexed TFRecord shards").add_subparsers(
         dest="pack_command", metavar="{make-list,imagefolder,list,coco}", required=True
     )
@@ -67,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.bench.train import main as train_main
 
         return train_main(args)
+    if args.command == "bench" and args.benchmark == "data":
+        from trainaccel.bench.data import main as data_main
+
+        return data_main(args)
     if args.command == "bench":
         from trainaccel.bench.comm import main as comm_main
 

@@ -1,0 +1,152 @@
+"""`trainaccel bench data`: images/s through a DataLoader, per-file loading vs packed shards, cold and warm cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trainaccel.bench.image_data import DecodeDataset, TrainTransform, make_synthetic, tfrecord_package_dataset
+from trainaccel.bench.jobs import report_header
+
+ARMS = ("files", "records", "records-256", "tfrecord", "memory")
+CACHES = ("cold", "warm")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "trainaccel-bench-data",
+                        help="folder for the synthetic images and their packs; made once, reused (default: in the temp dir)")  # fmt: skip
+    parser.add_argument("--images", type=int, default=3000, help="synthetic images (default 3000)")
+    parser.add_argument("--classes", type=int, default=10, help="class folders (default 10)")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per batch (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--cache", default=",".join(CACHES), help="cold (files evicted before each run), warm, or both")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+
+def _subset(text: str, accepted: tuple[str, ...], flag: str) -> list[str]:
+    chosen = [a.strip() for a in text.split(",") if a.strip()]
+    if not chosen or any(a not in accepted for a in chosen) or len(set(chosen)) != len(chosen):
+        raise ValueError(f"invalid {flag} {text!r}; accepted: a comma-separated subset of {', '.join(accepted)}")
+    return chosen
+
+
+def prepare(work: Path, images: int, classes: int) -> dict[str, Path]:
+    """The synthetic set and its two packs (stored resolution, --max-side 256); reused when present."""
+    from trainaccel.data.pack import PackOptions, folder_items, pack
+
+    folder = work / "images"
+    marker = work / "images.json"
+    wanted = {"images": images, "classes": classes}
+    if not marker.exists() or json.loads(marker.read_text()) != wanted:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+        make_synthetic(folder, images, classes)
+        marker.write_text(json.dumps(wanted))
+    items, labels = folder_items(folder)
+    for name, max_side in (("packed", None), ("packed-256", 256)):
+        pack(items, folder, work / name, labels, PackOptions(shard_size="64MB", max_side=max_side), {"bench": name}, workers=2)
+    return {"images": folder, "records": work / "packed", "records-256": work / "packed-256"}
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop these files from the page cache, so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> tuple[torch.utils.data.Dataset, list[Path]]:
+    """The dataset of an arm and the files it reads."""
+    from trainaccel.data import RecordDataset
+
+    if arm == "files":
+        folder = places["images"]
+        files = sorted(folder.rglob("*.jpg"))
+        classes = sorted({p.parent.name for p in files})
+        return DecodeDataset([(p, classes.index(p.parent.name)) for p in files], transform), files
+    if arm in ("records", "records-256"):
+        size = (transform.size, transform.size) if arm == "records-256" else None
+        dataset = RecordDataset(places[arm], transform=transform, decode_size=size)
+        return dataset, [s.shard for s in dataset.shards]
+    shards = [s.shard for s in RecordDataset(places["records"]).shards]
+    if arm == "tfrecord":
+        return tfrecord_package_dataset(shards, transform), shards
+    records = RecordDataset(places["records"], output="bytes")
+    return DecodeDataset([records[i] for i in range(len(records))], transform), []
+
+
+def images_per_second(dataset: torch.utils.data.Dataset, workers: int, batch_size: int) -> float:
+    """One pass over the dataset, from creating the loader to its last batch."""
+    start = time.perf_counter()
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+    seen = sum(len(labels) for _, labels in loader)
+    return seen / (time.perf_counter() - start)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        arms, caches = _subset(args.arms, ARMS, "--arms"), _subset(args.cache, CACHES, "--cache")
+        for name in ("images", "classes", "workers", "batch_size", "repeats"):
+            if getattr(args, name) < (0 if name == "workers" else 1):
+                raise ValueError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}; accepted: an integer >= {0 if name == 'workers' else 1}")
+        places = prepare(args.work, args.images, args.classes)
+    except (ValueError, OSError) as error:
+        print(f"trainaccel bench data: {error}", file=sys.stderr)
+        return 2
+    transform = TrainTransform()
+    built = {arm: build_arm(arm, places, transform) for arm in arms}
+    rates: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
+    for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every arm alike
+        for arm in arms:
+            dataset, files = built[arm]
+            for cache in caches:
+                if cache == "cold":
+                    evict(files)
+                elif "cold" not in caches and not rates[arm]["warm"]:
+                    images_per_second(dataset, args.workers, args.batch_size)  # fill the cache first
+                # (warm after cold: the cold pass has just read every file into the cache)
+                rates[arm][cache].append(images_per_second(dataset, args.workers, args.batch_size))
+    summary = {arm: {c: statistics.median(v) for c, v in per.items()} for arm, per in rates.items()}
+    ratios = None
+    if "files" in arms:  # the median of the per-repeat ratios: each repeat's arms ran side by side
+        ratios = {arm: {c: statistics.median(a / b for a, b in zip(rates[arm][c], rates["files"][c])) for c in caches}
+                  for arm in arms}  # fmt: skip
+    spread = {arm: {c: [min(v), max(v)] for c, v in per.items()} for arm, per in rates.items()}
+    report = {**report_header("data", args), "rates": rates, "median": summary, "min_max": spread, "ratio_to_files": ratios}
+    _print_table(summary, ratios, caches, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
+def _print_table(summary: dict[str, dict[str, float]], ratios: dict[str, dict[str, float]] | None, caches: list[str],
+                 args: argparse.Namespace) -> None:  # fmt: skip
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"images/s, {args.images} images, {args.workers} workers, median of {args.repeats}")
+    table.add_column("arm")
+    for cache in caches:
+        table.add_column(f"{cache} images/s", justify="right")
+        table.add_column(f"{cache} vs files", justify="right")
+    for arm, per in summary.items():
+        cells = []
+        for cache in caches:
+            cells += [f"{per[cache]:.0f}", f"{ratios[arm][cache]:.2f}x" if ratios else "-"]
+        table.add_row(arm, *cells)
+    Console().print(table)
