@@ -84,7 +84,6 @@ class _DistributedOptimizer:
         self._passes_per_step, self._sparse_as_dense = backward_passes_per_step, sparse_as_dense
         self._buckets = self._make_buckets(params, num_groups, groups)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
-        self._names_by_id = {id(p): names[id(p)] for p in params}
         self._parameter_names = {p: names[id(p)] for p in params}  # Horovod's attribute, read by some scripts
         self._passes: dict[int, int] = {}
         self._ready: list[set[int]] = [set() for _ in self._buckets]
