@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.exchange import all_gather_single
+from trainaccel.horovod.process_sets import ProcessSet
 
 KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "reducescatter": 5,
          "barrier": 6, "object": 7, "join": 8}  # fmt: skip
@@ -88,9 +89,10 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
     return None
 
 
-def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0, *, group: dist.ProcessGroup | None = None,
-              ranks: list[int] | None = None, first_dim_may_differ: bool = False) -> torch.Tensor:  # fmt: skip
-    """Exchange descriptors within `group`; raise on every worker if they disagree. Returns them all."""
+def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0, *, among: ProcessSet | None = None,
+              first_dim_may_differ: bool = False) -> torch.Tensor:  # fmt: skip
+    """Exchange descriptors among a process set (all workers by default); raise on every one if they disagree."""
+    group, ranks = (among.group, among.ranks) if among is not None else (None, None)
     everyone = _gather(describe(kind, tensor, extra), group)
     label = f"{kind} {name!r}" if name else kind
     joined = [r for r in range(everyone.shape[0]) if int(everyone[r, 0]) == KINDS["join"]]

@@ -132,7 +132,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Start reducing `tensor` in place across the workers of `process_set` (all by default)."""
     ps = _begin(name, process_set)
     op = resolve_op(average, op)
-    negotiation.negotiate("allreduce", name, tensor, negotiation.pack_op(int(op), fused_buffers), group=ps.group, ranks=ps.ranks)
+    negotiation.negotiate("allreduce", name, tensor, negotiation.pack_op(int(op), fused_buffers), among=ps)
     wire = _summable(scale_(tensor, prescale_factor))
     work = dist.all_reduce(wire, op=negotiation.TORCH_OPS[op.name], group=ps.group, async_op=True)
     world = ps.size() or 1
@@ -169,7 +169,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     ps = _begin(name, process_set)
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor of at least one dimension")
-    everyone = negotiation.negotiate("allgather", name, tensor, group=ps.group, ranks=ps.ranks, first_dim_may_differ=True)
+    everyone = negotiation.negotiate("allgather", name, tensor, among=ps, first_dim_may_differ=True)
     firsts = [int(d) for d in everyone[:, 4]]
     longest = max(firsts)
     padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -190,7 +190,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     ps = _begin(name, process_set)
     if root_rank not in ps.ranks:
         raise ValueError(f"invalid root_rank={root_rank}; accepted: a rank of the process set, {ps.ranks}")
-    negotiation.negotiate("broadcast", name, tensor, root_rank, group=ps.group, ranks=ps.ranks)
+    negotiation.negotiate("broadcast", name, tensor, root_rank, among=ps)
     work = dist.broadcast(_moved(tensor), src=root_rank, group=ps.group, async_op=True)
     return _start("broadcast", name, work, lambda: tensor)
 
@@ -226,7 +226,7 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None
             raise ValueError(
                 f"invalid splits={send}; accepted: {world} non-negative counts that add up to the first dimension ({tensor.shape[0]})"
             )
-    negotiation.negotiate("alltoall", name, tensor, group=ps.group, ranks=ps.ranks, first_dim_may_differ=True)
+    negotiation.negotiate("alltoall", name, tensor, among=ps, first_dim_may_differ=True)
     received = torch.empty(world, dtype=torch.int64)
     dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=ps.group)
     counts = [int(x) for x in received]
@@ -246,7 +246,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         raise UnsupportedOperation(f"reducescatter supports op=Average or Sum, got {op.name}")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor of at least one dimension")
-    negotiation.negotiate("reducescatter", name, tensor, int(op), group=ps.group, ranks=ps.ranks)
+    negotiation.negotiate("reducescatter", name, tensor, int(op), among=ps)
     world, rank = ps.size() or 1, ps.rank() or 0
     rows = share_rows(tensor.shape[0], world)
     start = sum(rows[:rank])
@@ -292,7 +292,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Re
 def barrier(process_set: ProcessSet | None = None) -> None:
     """Wait until every worker of the set gets here."""
     ps = _begin(None, process_set)
-    negotiation.negotiate("barrier", None, torch.zeros(1), group=ps.group, ranks=ps.ranks)  # the exchange is the barrier
+    negotiation.negotiate("barrier", None, torch.zeros(1), among=ps)  # the exchange is the barrier
 
 
 def join(device: int = -1) -> int:
@@ -311,7 +311,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     ps = _begin(name, process_set)
     if root_rank not in ps.ranks:
         raise ValueError(f"invalid root_rank={root_rank}; accepted: a rank of the process set, {ps.ranks}")
-    negotiation.negotiate("object", name, torch.zeros(1), root_rank, group=ps.group, ranks=ps.ranks)
+    negotiation.negotiate("object", name, torch.zeros(1), root_rank, among=ps)
     holder = [obj if dist.get_rank() == root_rank else None]
     dist.broadcast_object_list(holder, src=root_rank, group=ps.group)
     return holder[0]
@@ -320,7 +320,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list[Any]:
     """Every worker's `obj`, in rank order."""
     ps = _begin(name, process_set)
-    negotiation.negotiate("object", name, torch.zeros(1), -1, group=ps.group, ranks=ps.ranks)
+    negotiation.negotiate("object", name, torch.zeros(1), -1, among=ps)
     out: list[Any] = [None] * (ps.size() or 1)
     dist.all_gather_object(out, obj, group=ps.group)
     return out

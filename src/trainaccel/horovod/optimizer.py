@@ -173,7 +173,7 @@ class _DistributedOptimizer:
     def _exchange(self, index: int, flat: torch.Tensor) -> Any:
         """A sparsifying codec: values and indices are gathered, not summed, so join cannot take part."""
         ps = self._process_set
-        negotiation.negotiate("allgather", f"bucket {index}", flat, group=ps.group, ranks=ps.ranks)
+        negotiation.negotiate("allgather", f"bucket {index}", flat, among=ps)
         codec, feedback = self._compression.codec, self._compression.feedback
         future, _ = exchange(codec, feedback, flat, index, ps.group or dist.group.WORLD, 1.0 / self._predivide)
         return future
