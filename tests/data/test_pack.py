@@ -1,14 +1,18 @@
 """`trainaccel pack`: lists, shards, resizing, bad files, workers, and resuming after a kill."""
 
+import contextlib
+import io
 import json
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
 
 from conftest import run, trainaccel_cmd
+from trainaccel.cli import main
 from trainaccel.data import ImageRecord, RecordFile
 
 
@@ -30,13 +34,17 @@ def read_pack(out):
     return records, manifest
 
 
-def pack(*args, timeout=120):
-    return run([*trainaccel_cmd(), "pack", *map(str, args)], timeout=timeout)
+def pack(*args):
+    """`trainaccel pack ...` run in this process (the console script itself is tested once, below)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["pack", *map(str, args)])
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_make_list_and_labels(tmp_path):
     images = make_images(tmp_path / "img")
-    proc = pack("make-list", images, tmp_path / "train.txt")
+    proc = run([*trainaccel_cmd(), "pack", "make-list", images, tmp_path / "train.txt"])  # the console script
     assert proc.returncode == 0, proc.stderr
     lines = (tmp_path / "train.txt").read_text().splitlines()
     assert len(lines) == 24 and lines[0] == "class0/000.png 0" and lines[-1] == "class2/007.jpg 2"
@@ -69,7 +77,7 @@ def test_max_side_resizes_and_shard_size_in_bytes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records, manifest = read_pack(tmp_path / "out")
     assert all((r.width, r.height, r.format) == (32, 21, "jpeg") for r in records)
-    assert Image.open(__import__("io").BytesIO(records[0].encoded)).size == (32, 21)
+    assert Image.open(io.BytesIO(records[0].encoded)).size == (32, 21)
     assert len(manifest["shards"]) > 1
 
 
