@@ -1,4 +1,5 @@
 import json
+import sys
 
 import torch
 
@@ -52,3 +53,18 @@ def test_demo_measures_every_arm(tmp_path):
 def test_demo_rejects_bad_arguments():
     proc = run([*trainaccel_cmd(), "demo", "--steps", "5", "--warmup", "5"])
     assert proc.returncode == 2 and "accepted: 0 <= warmup < steps" in proc.stderr
+
+
+def test_commands_start_without_the_data_extra(tmp_path):
+    """`pip install -e .` has no crc32c, protobuf or Pillow: only the data commands need them, and say so."""
+    code = (
+        "import sys\n"
+        "for m in ('crc32c', 'google.protobuf', 'PIL'): sys.modules[m] = None\n"
+        "from trainaccel.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    script = tmp_path / "no_extra.py"
+    script.write_text(code)
+    assert run([sys.executable, script, "demo", "--help"]).returncode == 0
+    proc = run([sys.executable, script, "pack", "imagefolder", tmp_path, tmp_path / "out"])
+    assert proc.returncode == 2 and "pip install 'trainaccel[data]'" in proc.stderr

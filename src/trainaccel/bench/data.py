@@ -105,6 +105,9 @@ def main(args: argparse.Namespace) -> int:
             if getattr(args, name) < (0 if name == "workers" else 1):
                 raise ValueError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}; accepted: an integer >= {0 if name == 'workers' else 1}")
         places = prepare(args.work, args.images, args.classes)
+    except ImportError as error:  # the data extra is not installed
+        print(f"trainaccel bench data: {error}; install it with pip install 'trainaccel[data]'", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as error:
         print(f"trainaccel bench data: {error}", file=sys.stderr)
         return 2

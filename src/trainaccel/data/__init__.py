@@ -1,16 +1,24 @@
 """Input pipelines: images packed into indexed TFRecord shards, read with verified random access.
 
-Needs the `data` extra (`pip install 'trainaccel[data]'`): crc32c, protobuf and Pillow.
+Needs the `data` extra (`pip install 'trainaccel[data]'`): crc32c, protobuf and Pillow. Names
+are imported on first use, so `trainaccel` commands start without the extra installed.
 """
 
-from trainaccel.data.dataset import RecordDataset
-from trainaccel.data.example import ImageRecord, decode_example, encode_example
-from trainaccel.data.records import (
-    CorruptRecordError, RecordFile, RecordWriter, build_index, index_path, masked_crc, read_index, write_index,
-)  # fmt: skip
-from trainaccel.data.sampler import ShardSampler
+from __future__ import annotations
 
-__all__ = [
-    "CorruptRecordError", "ImageRecord", "RecordDataset", "RecordFile", "RecordWriter", "ShardSampler", "build_index", "decode_example",
-    "encode_example", "index_path", "masked_crc", "read_index", "write_index",
-]  # fmt: skip
+import importlib
+from typing import Any
+
+_HOMES = {
+    "RecordDataset": "dataset", "ShardSampler": "sampler",
+    "ImageRecord": "example", "decode_example": "example", "encode_example": "example",
+    "CorruptRecordError": "records", "RecordFile": "records", "RecordWriter": "records", "build_index": "records",
+    "index_path": "records", "masked_crc": "records", "read_index": "records", "write_index": "records",
+}  # fmt: skip
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'trainaccel.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainaccel.data.{_HOMES[name]}"), name)

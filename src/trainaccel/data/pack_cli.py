@@ -6,9 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainaccel.data.pack import (
-    PackError, PackOptions, coco_items, folder_items, make_list, pack, read_labels, read_list,
-)  # fmt: skip
 
 
 def add_arguments(commands: argparse._SubParsersAction) -> None:
@@ -39,6 +36,13 @@ def add_arguments(commands: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
+        from trainaccel.data.pack import (
+            PackError, PackOptions, coco_items, folder_items, make_list, pack, read_labels, read_list,
+        )  # fmt: skip
+    except ImportError as error:  # the data extra is not installed
+        print(f"trainaccel pack: {error}; install it with pip install 'trainaccel[data]'", file=sys.stderr)
+        return 2
+    try:
         if args.pack_command == "make-list":
             label_map = make_list(args.img_dir, args.list, args.labels)
             print(f"wrote {args.list} ({len(label_map)} classes)")
@@ -57,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
             label_map = read_labels(labels) if args.labels or labels.exists() else {}
             items, root = read_list(args.list), args.img_root
             source = {"list": str(args.list.resolve()), "img_root": str(args.img_root.resolve())}
-        manifest = _pack_with_progress(items, root, args.out, label_map, options, source, args.workers)
+        manifest = _pack_with_progress(pack, items, root, args.out, label_map, options, source, args.workers)
     except (PackError, ValueError, OSError) as error:
         print(f"trainaccel pack: {error}", file=sys.stderr)
         return 2
@@ -67,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pack_with_progress(items, root, out, label_map, options, source, workers) -> dict:  # type: ignore[no-untyped-def]
+def _pack_with_progress(pack, items, root, out, label_map, options, source, workers) -> dict:  # type: ignore[no-untyped-def]
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("packing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
