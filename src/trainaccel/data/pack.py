@@ -8,6 +8,7 @@ pack ends with exactly one copy of every image. `manifest.json` is written last.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -269,18 +270,11 @@ def pack(items: Sequence[Item], root: Path, out: Path, label_map: dict[str, int]
                 progress(len(members))
         else:
             jobs.append((root, out, name, [items[i] for i in members], options))
-    if workers == 1:
-        finished = map(pack_shard, jobs)
-        for result, job in zip(finished, jobs):
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        for result, job in zip((pool.map if pool else map)(pack_shard, jobs), jobs):
             results[result["name"]] = result
             if progress:
                 progress(len(job[3]))
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            for result, job in zip(pool.map(pack_shard, jobs), jobs):
-                results[result["name"]] = result
-                if progress:
-                    progress(len(job[3]))
     manifest = {
         "format": "tfrecord", "records": sum(r["records"] for r in results.values()),
         "shards": [{k: results[n][k] for k in ("name", "records", "bytes", "sha256")} for n in names],
