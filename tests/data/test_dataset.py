@@ -10,6 +10,8 @@ from tfrecord.writer import TFRecordWriter
 from trainaccel.data import CorruptRecordError, ImageRecord, RecordDataset, RecordWriter, ShardSampler
 from trainaccel.data.pack import PackOptions, folder_items, pack
 
+from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
+
 
 def jpeg(colour, size=(80, 60)) -> bytes:
     out = io.BytesIO()
@@ -115,6 +117,25 @@ def test_two_ranks_two_workers_cover_the_epoch_once(tmp_path):
     assert list(again) == seen[0]
     again.set_epoch(2)
     assert list(again) != seen[0]
+
+
+def test_two_ranks_under_trainaccel_run_cover_each_epoch_once_and_resume(tmp_path):
+    shards = write_shards(tmp_path / "s", shards=5, per_shard=5)  # 25 records: rank parts padded to 13
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, SCRIPTS / "record_epochs.py", out,
+                shards / "*.tfrecord"])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = read_ranks(out, 2)
+    assert [r["world"] for r in ranks] == [2, 2]
+    for epoch in range(2):
+        parts = [r["epochs"][epoch] for r in ranks]
+        assert len(parts[0]) == len(parts[1]) == 13
+        assert sorted(set(parts[0] + parts[1])) == list(range(25))  # all of it, once, plus one padding sample
+        assert len(parts[0] + parts[1]) - len(set(parts[0] + parts[1])) == 1
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # each epoch its own order
+    for r in ranks:
+        assert len(r["interrupted"]) == 6 and r["interrupted"] + r["rest"] == r["full"]
 
 
 def test_uneven_sizes_are_padded_or_dropped(tmp_path):

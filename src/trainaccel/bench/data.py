@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
-from trainaccel.bench.image_data import DecodeDataset, TrainTransform, make_synthetic, tfrecord_package_dataset
+from trainaccel.bench.image_data import (TENSOR_DTYPES, DecodeDataset, TrainTransform, decoder_timings, make_synthetic,
+                                         tfrecord_package_dataset)  # fmt: skip
 from trainaccel.bench.jobs import report_header
 
-ARMS = ("files", "records", "records-256", "tfrecord", "memory")
+ARMS = ("files", "records", "records-pil", "records-256", "tfrecord", "memory")
+DECODE_SIZE = (160, 120)  # half the synthetic images' size or less: JPEGs decode at 1/2 scale
 CACHES = ("cold", "warm")
 
 
@@ -27,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--classes", type=int, default=10, help="class folders (default 10)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per batch (default 64)")
+    parser.add_argument("--dtype", choices=TENSOR_DTYPES, default="float32",
+                        help="what the transform's to-tensor gives: float32 in [0, 1] (as ToTensor), or uint8 to "
+                             "convert on the accelerator (default float32)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     parser.add_argument("--cache", default=",".join(CACHES), help="cold (files evicted before each run), warm, or both")
@@ -79,9 +84,12 @@ def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> t
         files = sorted(folder.rglob("*.jpg"))
         classes = sorted({p.parent.name for p in files})
         return DecodeDataset([(p, classes.index(p.parent.name)) for p in files], transform), files
-    if arm in ("records", "records-256"):
-        size = (transform.size, transform.size) if arm == "records-256" else None
-        dataset = RecordDataset(places[arm], transform=transform, decode_size=size)
+    if arm.startswith("records"):
+        output, size = ("pil", None) if arm == "records-pil" else ("tensor", None)
+        if arm == "records-256":
+            size = (transform.size, transform.size)
+        dataset = RecordDataset(places["records-256" if arm == "records-256" else "records"], transform=transform,
+                                output=output, decode_size=size)  # fmt: skip
         return dataset, [s.shard for s in dataset.shards]
     shards = [s.shard for s in RecordDataset(places["records"]).shards]
     if arm == "tfrecord":
@@ -90,12 +98,21 @@ def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> t
     return DecodeDataset([records[i] for i in range(len(records))], transform), []
 
 
-def images_per_second(dataset: torch.utils.data.Dataset, workers: int, batch_size: int) -> float:
-    """One pass over the dataset, from creating the loader to its last batch."""
+def images_per_second(dataset: torch.utils.data.Dataset, workers: int, batch_size: int) -> tuple[float, float]:
+    """One pass: images/s from the first batch to the last, and the seconds to the first batch.
+
+    Starting the workers (about 0.15 s here) is a fixed cost per loader, not throughput; counted
+    in, it would weigh on a 2-second pass of a fast arm ten times more than on a baseline's.
+    """
     start = time.perf_counter()
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
-    seen = sum(len(labels) for _, labels in loader)
-    return seen / (time.perf_counter() - start)
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers))
+    first = len(next(batches)[1])
+    started = time.perf_counter()
+    rest = sum(len(labels) for _, labels in batches)
+    end = time.perf_counter()
+    if rest == 0:  # a single batch: nothing after the start to time
+        return first / (end - start), started - start
+    return rest / (end - started), started - start
 
 
 def main(args: argparse.Namespace) -> int:
@@ -111,9 +128,12 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"trainaccel bench data: {error}", file=sys.stderr)
         return 2
-    transform = TrainTransform()
+    transform = TrainTransform(dtype=args.dtype)
+    samples = [path.read_bytes() for path in sorted(places["images"].rglob("*.jpg"))[:200]]
+    decoders = decoder_timings(samples, DECODE_SIZE, args.repeats)
     built = {arm: build_arm(arm, places, transform) for arm in arms}
     rates: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
+    startup: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
     for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every arm alike
         for arm in arms:
             dataset, files = built[arm]
@@ -123,26 +143,39 @@ def main(args: argparse.Namespace) -> int:
                 elif "cold" not in caches and not rates[arm]["warm"]:
                     images_per_second(dataset, args.workers, args.batch_size)  # fill the cache first
                 # (warm after cold: the cold pass has just read every file into the cache)
-                rates[arm][cache].append(images_per_second(dataset, args.workers, args.batch_size))
+                rate, seconds = images_per_second(dataset, args.workers, args.batch_size)
+                rates[arm][cache].append(rate)
+                startup[arm][cache].append(seconds)
     summary = {arm: {c: statistics.median(v) for c, v in per.items()} for arm, per in rates.items()}
     ratios = None
     if "files" in arms:  # the median of the per-repeat ratios: each repeat's arms ran side by side
         ratios = {arm: {c: statistics.median(a / b for a, b in zip(rates[arm][c], rates["files"][c])) for c in caches}
                   for arm in arms}  # fmt: skip
     spread = {arm: {c: [min(v), max(v)] for c, v in per.items()} for arm, per in rates.items()}
-    report = {**report_header("data", args), "rates": rates, "median": summary, "min_max": spread, "ratio_to_files": ratios}
-    _print_table(summary, ratios, caches, args)
+    report = {**report_header("data", args), "decode_ms_per_image": decoders, "rates": rates, "median": summary,
+              "min_max": spread, "ratio_to_files": ratios, "seconds_to_first_batch": startup}  # fmt: skip
+    _print_tables(decoders, summary, ratios, caches, args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0
 
 
-def _print_table(summary: dict[str, dict[str, float]], ratios: dict[str, dict[str, float]] | None, caches: list[str],
-                 args: argparse.Namespace) -> None:  # fmt: skip
+def _print_tables(decoders: dict[str, dict[str, float]], summary: dict[str, dict[str, float]],
+                  ratios: dict[str, dict[str, float]] | None, caches: list[str], args: argparse.Namespace) -> None:  # fmt: skip
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"images/s, {args.images} images, {args.workers} workers, median of {args.repeats}")
+    console = Console()
+    sizes = list(next(iter(decoders.values())))
+    table = Table(title=f"JPEG decode, ms per image, one process, median of {args.repeats}")
+    table.add_column("decoder")
+    for size in sizes:
+        table.add_column(size, justify="right")
+    for name, per in decoders.items():
+        table.add_row(name, *(f"{per[s]:.2f}" for s in sizes))
+    console.print(table)
+    table = Table(title=f"images/s, {args.images} images, {args.workers} workers, {args.dtype} tensors, "
+                        f"median of {args.repeats}")  # fmt: skip
     table.add_column("arm")
     for cache in caches:
         table.add_column(f"{cache} images/s", justify="right")
@@ -152,4 +185,4 @@ def _print_table(summary: dict[str, dict[str, float]], ratios: dict[str, dict[st
         for cache in caches:
             cells += [f"{per[cache]:.0f}", f"{ratios[arm][cache]:.2f}x" if ratios else "-"]
         table.add_row(arm, *cells)
-    Console().print(table)
+    console.print(table)

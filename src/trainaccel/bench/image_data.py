@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import math
 import random
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,33 +33,61 @@ def make_synthetic(folder: Path, images: int, classes: int, seed: int = 0) -> li
     return paths
 
 
+TENSOR_DTYPES = ("float32", "uint8")
+
+
 class TrainTransform:
-    """RandomResizedCrop(224, scale 0.08-1, ratio 3/4-4/3) + horizontal flip + to float tensor, on PIL images."""
+    """RandomResizedCrop(224, scale 0.08-1, ratio 3/4-4/3) + horizontal flip + to a tensor.
 
-    def __init__(self, size: int = 224):
-        self.size = size
+    `dtype="float32"`: CHW in [0, 1], as torchvision's ToTensor. `"uint8"`: HWC as decoded, so
+    a batch is NHWC, a channels-last NCHW view after `permute(0, 3, 1, 2)`, converted to float on
+    the accelerator, as FFCV and DALI hand batches over (4x fewer bytes from the workers, no
+    transposing copy). Takes a PIL image (Pillow's resize) or a uint8 CHW tensor (torch's
+    antialiased resize, the same filter), as torchvision's transforms do.
+    """
 
-    def __call__(self, image: Any) -> torch.Tensor:
-        from PIL import Image
+    def __init__(self, size: int = 224, dtype: str = "float32"):
+        if dtype not in TENSOR_DTYPES:
+            raise ValueError(f"invalid dtype={dtype!r}; accepted: {', '.join(TENSOR_DTYPES)}")
+        self.size, self.dtype = size, dtype
 
-        width, height = image.size
-        box = (0, 0, width, height)
+    def _finish(self, chw: torch.Tensor) -> torch.Tensor:
+        if self.dtype == "uint8":  # HWC memory, as decoded: the batch is NHWC, a channels-last NCHW view
+            return chw.permute(1, 2, 0).contiguous()
+        return chw.contiguous().float().div_(255)
+
+    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """A random crop (left, top, right, bottom), or the whole image after 10 misses."""
         for _ in range(10):
             area = width * height * random.uniform(0.08, 1.0)
             ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
             w, h = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
             if 0 < w <= width and 0 < h <= height:
                 x, y = random.randint(0, width - w), random.randint(0, height - h)
-                box = (x, y, x + w, y + h)
-                break
-        image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+                return x, y, x + w, y + h
+        return 0, 0, width, height
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        if isinstance(image, torch.Tensor):
+            left, top, right, bottom = self.box(image.shape[2], image.shape[1])
+            # The resize's fast uint8 kernel wants channels-last memory without gaps (a decoded HWC image is).
+            crop = image[None, :, top:bottom, left:right].contiguous(memory_format=torch.channels_last)
+            resized = torch.nn.functional.interpolate(crop, size=(self.size, self.size), mode="bilinear",
+                                                      antialias=True, align_corners=False)[0]  # fmt: skip
+            if random.random() < 0.5:
+                resized = resized.flip(-1)
+            return self._finish(resized)
+        from PIL import Image
+
+        image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=self.box(*image.size))
         if random.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float().div_(255)
+        return self._finish(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1))
 
 
 class DecodeDataset(torch.utils.data.Dataset):
-    """Images from files (the per-file baseline, as ImageFolder reads them) or from bytes already in memory (the bound)."""
+    """Images from files, opened with PIL as ImageFolder does (the per-file baseline), or bytes in memory
+    decoded as `RecordDataset(output="tensor")` does (the decode-only bound)."""
 
     def __init__(self, items: list[tuple[Path | bytes, int]], transform: TrainTransform):
         self.items, self.transform = items, transform
@@ -66,11 +96,38 @@ class DecodeDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        source, label = self.items[i]
+        if isinstance(source, bytes):
+            from trainaccel.data.decode import decode_image
+
+            return self.transform(decode_image(source, "tensor")), label
         from PIL import Image
 
-        source, label = self.items[i]
-        with Image.open(source if isinstance(source, Path) else io.BytesIO(source)) as image:
+        with Image.open(source) as image:
             return self.transform(image.convert("RGB")), label
+
+
+def decoder_timings(samples: list[bytes], size: tuple[int, int], repeats: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per image (median of `repeats` passes) for Pillow and simplejpeg, at full size and `size`.
+
+    Each decodes to its own output (a PIL image, a NumPy array); a PIL image costs more to make a tensor of.
+    """
+    from trainaccel.data.decode import _decode_jpeg, _decode_pillow
+
+    decoders = {"pillow": lambda data, at: _decode_pillow(data, "pil", at), "simplejpeg": _decode_jpeg}
+    timings: dict[str, dict[str, float]] = {}
+    for name, decode in decoders.items():
+        for label, at in (("full", None), (f"{size[0]}x{size[1]}", size)):
+            passes = []
+            for data in samples[:20]:  # warm up: the first calls also load code and fill caches
+                decode(data, at)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for data in samples:
+                    decode(data, at)
+                passes.append((time.perf_counter() - start) * 1e3 / len(samples))
+            timings.setdefault(name, {})[label] = statistics.median(passes)
+    return timings
 
 
 def tfrecord_package_dataset(shards: list[Path], transform: TrainTransform) -> torch.utils.data.IterableDataset:

@@ -1,6 +1,6 @@
 """Input pipelines: images packed into indexed TFRecord shards, read with verified random access.
 
-Needs the `data` extra (`pip install 'trainaccel[data]'`): crc32c, protobuf and Pillow. Names
+Needs the `data` extra (`pip install 'trainaccel[data]'`): crc32c, protobuf, Pillow and simplejpeg. Names
 are imported on first use, so `trainaccel` commands start without the extra installed.
 """
 

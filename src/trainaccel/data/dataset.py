@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import glob
-import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainaccel.data.decode import decode_image
 from trainaccel.data.example import ImageRecord
 from trainaccel.data.records import RecordFile
 
@@ -24,8 +24,10 @@ class RecordDataset(torch.utils.data.Dataset):
 
     `path` is a pack's folder or manifest.json, a shard, or a glob of shards (their `.index`
     files are used, or the index is built by scanning). `output`: "pil" (RGB PIL image), "tensor"
-    (uint8 CHW) or "bytes" (as stored). `decode_size=(w, h)` lets JPEG decoding scale down in
-    the DCT domain to no less than that size. CRCs are checked on every read unless `verify=False`.
+    (uint8 CHW, channels-last in memory) or "bytes" (as stored). JPEGs decode with libjpeg-turbo
+    (simplejpeg), other formats with Pillow. `decode_size=(w, h)` lets JPEG decoding scale down
+    by 2, 4 or 8 in the DCT domain to no less than that size. CRCs are checked on every read
+    unless `verify=False`.
     """
 
     def __init__(self, path: str | Path, transform: Callable[[Any], Any] | None = None,
@@ -76,24 +78,20 @@ class RecordDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self.record(index)
-        image: Any = record.encoded if self.output == "bytes" else self._decode(record.encoded)
+        image: Any = record.encoded
+        if self.output != "bytes":
+            try:
+                image = decode_image(record.encoded, self.output, self.decode_size)
+            except Exception as error:  # name the record: the decoders' own messages say only what broke
+                shard, number = self.locate(index)
+                raise ValueError(f"cannot decode the image of record {number} ({record.filename or 'no file name'}) "
+                                 f"in {self.shards[shard].shard}: {error}") from error  # fmt: skip
         label: Any = record.label
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
-
-    def _decode(self, encoded: bytes) -> Any:
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(encoded))
-        if self.decode_size is not None:
-            image.draft("RGB", self.decode_size)  # JPEG: decode at 1/2, 1/4 or 1/8 scale when that suffices
-        image = image.convert("RGB")
-        if self.output == "pil":
-            return image
-        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
     def shard_ranges(self) -> list[tuple[int, int]]:
         """Each shard's [start, end) of dataset indices, for samplers that keep reads local."""
