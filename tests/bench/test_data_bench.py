@@ -48,7 +48,7 @@ def test_bench_data_reports_every_arm(tmp_path, dtype):
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["settings"]["dtype"] == dtype and "simplejpeg" in proc.stdout  # the decoder table
     assert all(0 < s < 60 for per in report["seconds_to_first_batch"].values() for v in per.values() for s in v)
-    assert set(report["median"]) == {"files", "records", "records-pil", "records-256", "tfrecord", "memory"}
+    assert set(report["median"]) == {"files", "records", "records-pil", "records-256", "tfrecord", "memory", "loader-only"}
     assert all(rate > 0 for per in report["median"].values() for rate in per.values())
     assert report["ratio_to_files"]["files"] == {"cold": 1.0, "warm": 1.0}
     decoders = report["decode_ms_per_image"]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from trainaccel.bench.image_data import (TENSOR_DTYPES, DecodeDataset, TrainTransform, decoder_timings, make_synthetic,
+from trainaccel.bench.image_data import (TENSOR_DTYPES, DecodeDataset, ReadyDataset, TrainTransform, decoder_timings, make_synthetic,
                                          tfrecord_package_dataset)  # fmt: skip
 from trainaccel.bench.jobs import report_header
 
-ARMS = ("files", "records", "records-pil", "records-256", "tfrecord", "memory")
+ARMS = ("files", "records", "records-pil", "records-256", "tfrecord", "memory", "loader-only")
 DECODE_SIZE = (160, 120)  # half the synthetic images' size or less: JPEGs decode at 1/2 scale
 CACHES = ("cold", "warm")
 
@@ -95,6 +95,8 @@ def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> t
     if arm == "tfrecord":
         return tfrecord_package_dataset(shards, transform), shards
     records = RecordDataset(places["records"], output="bytes")
+    if arm == "loader-only":
+        return ReadyDataset(len(records), transform), []
     return DecodeDataset([records[i] for i in range(len(records))], transform), []
 
 

@@ -107,6 +107,22 @@ class DecodeDataset(torch.utils.data.Dataset):
             return self.transform(image.convert("RGB")), label
 
 
+class ReadyDataset(torch.utils.data.Dataset):
+    """A new tensor shaped as the transform's output per image: what the DataLoader alone can carry."""
+
+    def __init__(self, length: int, transform: TrainTransform):
+        self.length = length
+        self.shape, self.dtype = (3, transform.size, transform.size), torch.float32
+        if transform.dtype == "uint8":
+            self.shape, self.dtype = (transform.size, transform.size, 3), torch.uint8
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full(self.shape, i % 256, dtype=self.dtype), i % 10
+
+
 def decoder_timings(samples: list[bytes], size: tuple[int, int], repeats: int) -> dict[str, dict[str, float]]:
     """Milliseconds per image (median of `repeats` passes) for Pillow and simplejpeg, at full size and `size`.
 
