@@ -85,9 +85,8 @@ def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> t
         classes = sorted({p.parent.name for p in files})
         return DecodeDataset([(p, classes.index(p.parent.name)) for p in files], transform), files
     if arm.startswith("records"):
-        output, size = ("pil", None) if arm == "records-pil" else ("tensor", None)
-        if arm == "records-256":
-            size = (transform.size, transform.size)
+        output = "pil" if arm == "records-pil" else "tensor"
+        size = (transform.size, transform.size) if arm == "records-256" else None
         dataset = RecordDataset(places["records-256" if arm == "records-256" else "records"], transform=transform,
                                 output=output, decode_size=size)  # fmt: skip
         return dataset, [s.shard for s in dataset.shards]
