@@ -11,7 +11,7 @@ from typing import Any
 from trainaccel.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__", "init"]
+__all__ = ["Config", "ConfigError", "__version__", "compile", "init"]
 
 
 def init(*, start_process_group: bool = True, **options: Any) -> Config:
@@ -19,3 +19,10 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     from trainaccel.runtime import init as _init
 
     return _init(start_process_group=start_process_group, **options)
+
+
+def compile(model: Any, preset: str = "default", **options: Any) -> Any:  # noqa: A001 - mirrors torch.compile
+    """`torch.compile` in place with a named preset and an eager fallback (see `trainaccel.compiler.compile`)."""
+    from trainaccel.compiler import compile as _compile
+
+    return _compile(model, preset, **options)

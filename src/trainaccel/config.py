@@ -24,15 +24,18 @@ class ConfigError(ValueError):
         super().__init__(f"invalid {option}={value!r}{where}; accepted: {accepted}")
 
 
-def _choice(*choices: str, booleans: tuple[str, str] | None = None) -> Callable[[str, Any], str]:
-    """Parser for an option that takes one of `choices` (case-insensitive)."""
+def _choice(*choices: str, aliases: Mapping[str, str] | None = None,
+            booleans: tuple[str, str] | None = None) -> Callable[[str, Any], str]:  # fmt: skip
+    """Parser for an option that takes one of `choices` or an alias of one (case-insensitive)."""
 
-    accepted = ", ".join(choices)
+    aliases = dict(aliases or {})
+    accepted = ", ".join([*choices, *(a.upper() for a in aliases)])
 
     def parse(name: str, raw: Any) -> str:
         if isinstance(raw, bool) and booleans is not None:
             return booleans[0] if raw else booleans[1]
         value = str(raw).strip().lower()
+        value = aliases.get(value, value)
         if value not in choices:
             raise ConfigError(name, raw, accepted)
         return value
@@ -80,8 +83,26 @@ def _number(kind: type, low: float, high: float, *, low_open: bool = False) -> C
     return parse
 
 
-def _option(default: Any, parse: Callable[[str, Any], Any], help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"parse": parse, "help": help})
+def _amp_policy(name: str, raw: Any) -> str:
+    value = str(raw).strip()
+    if value.lower() in ("", "always"):
+        return "always"
+    from trainaccel.amp.policy import zero_code_policy  # torch is loaded only for a policy other than always
+
+    try:
+        zero_code_policy(value)
+    except ValueError as e:
+        raise ConfigError(name, raw, f"{_amp_policy.accepted} ({e})") from None  # type: ignore[attr-defined]
+    return value
+
+
+_amp_policy.accepted = "always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy)"  # type: ignore[attr-defined]
+
+
+def _option(default: Any, parse: Callable[[str, Any], Any], help: str, *, aliases: tuple[str, ...] = (),
+            switch: str | None = None) -> Any:  # fmt: skip
+    """A Config field; `aliases` are extra command-line flags, `switch` the value a bare flag sets."""
+    return dataclasses.field(default=default, metadata={"parse": parse, "help": help, "aliases": aliases, "switch": switch})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +160,29 @@ class Config:
         _positive_float_or_unset,
         "DDP bucket size in MiB, used unless the script passes bucket_cap_mb (default: DDP's own)",
     )
+    amp: str = _option(
+        "off",
+        _choice("off", "bf16", "fp16", "on", aliases={"o0": "off", "o1": "on"}, booleans=("on", "off")),
+        "run every DDP model's forward under autocast: bf16, fp16 (needs trainaccel.amp.scaled(optimizer)), "
+        "on (fp16 on CUDA, bf16 on CPU); O0/O1 are aliases of off/on",
+        aliases=("--amp-level",),
+    )
+    amp_policy: str = _option(
+        "always",
+        _amp_policy,
+        "when to autocast: always, or a per-step PrecisionPolicy such as auto or time:start=1000,end=50000",
+    )
+    compile: str = _option(
+        "off",
+        _choice("off", "on", booleans=("on", "off")),
+        "compile every DDP model with torch.compile after its first step (eager if the toolchain is missing)",
+        switch="on",
+    )
+    compile_preset: str = _option(
+        "default",
+        _choice("default", "reduce-overhead", "max-autotune"),
+        "torch.compile mode used with compile=on",
+    )
     nan_check: str = _option(
         "off",
         _choice("off", "warn", "raise", booleans=("raise", "off")),
@@ -165,6 +209,24 @@ class Config:
     @staticmethod
     def flag_name(option: str) -> str:
         return "--" + option.replace("_", "-")
+
+    @classmethod
+    def add_arguments(cls, group: Any) -> None:
+        """Add a flag per option to an argparse parser or group (dest `trainaccel_<option>`)."""
+        for f in dataclasses.fields(cls):
+            flags = [cls.flag_name(f.name), *(["--" + f.name] if "_" in f.name else []), *f.metadata["aliases"]]
+            kwargs: dict[str, Any] = {"dest": f"trainaccel_{f.name}", "help": cls.help_for(f.name)}
+            if f.metadata["switch"] is not None:
+                # A bare switch: an optional value would swallow the training script's name.
+                kwargs.update(action="store_const", const=f.metadata["switch"])
+            else:
+                kwargs["metavar"] = "VALUE"
+            group.add_argument(*flags, **kwargs)
+
+    @classmethod
+    def flags_from(cls, args: Any) -> dict[str, Any]:
+        """The option values that `add_arguments` flags set on parsed `args` (None where unset)."""
+        return {name: getattr(args, f"trainaccel_{name}") for name in cls.option_names()}
 
     @classmethod
     def help_for(cls, option: str) -> str:

@@ -34,7 +34,9 @@ class PrecisionPolicy:
 
     - `time`: full precision before `start`, autocast from `start` through `end` inclusive
       (`end=None`: to the end of training).
-    - `lr`: as `time`, and for `hold` units from each learning-rate change, full precision.
+    - `lr`: as `time`, and for `hold` units from each learning-rate change, full precision; a
+      change is a relative move above `lr_tolerance` (default: any for `lr`, 10% for `auto`, so
+      that a schedule stepped every step counts only its big moves).
     - `loss`: autocast, except for `hold` units from when the loss is non-finite, exceeds its
       minimum over the last `window` values by more than `spike` (0.5: 50% above), or the
       GradScaler's scale shrank at least `overflows` times in the last `window` calls. Checked
@@ -55,7 +57,8 @@ class PrecisionPolicy:
 
     def __init__(self, mode: str = "auto", *, start: int = 0, end: int | None = None, hold: int = 1,
                  interval: int | None = None, interval_hold: int | None = None, spike: float = 0.5,
-                 window: int = 100, overflows: int = 3, per: str | None = None, dtype: str | None = None):  # fmt: skip
+                 window: int = 100, overflows: int = 3, per: str | None = None, dtype: str | None = None,
+                 lr_tolerance: float | None = None):  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"invalid mode={mode!r}; accepted: {', '.join(MODES)}")
         per = per or ("step" if mode == "auto" else "epoch")
@@ -74,12 +77,16 @@ class PrecisionPolicy:
                 raise ValueError(f"invalid interval_hold={interval_hold!r}; accepted: an integer from 1 to interval ({interval})")
         if not isinstance(spike, (int, float)) or isinstance(spike, bool) or not spike > 0:
             raise ValueError(f"invalid spike={spike!r}; accepted: a number > 0 (0.5: a loss 50% above its recent minimum)")
+        lr_tolerance = (0.1 if mode == "auto" else 0.0) if lr_tolerance is None else lr_tolerance
+        if isinstance(lr_tolerance, bool) or not isinstance(lr_tolerance, (int, float)) or not lr_tolerance >= 0:
+            raise ValueError(f"invalid lr_tolerance={lr_tolerance!r}; accepted: a number >= 0 (0.1: a move of more than 10%)")
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"invalid dtype={dtype!r}; accepted: None (bfloat16 on CPU, float16 on CUDA), {', '.join(DTYPES)}")
         self.mode, self.per, self.dtype = mode, per, dtype
         self.start, self.end, self.hold = start, end, hold
         self.interval, self.interval_hold = interval, interval_hold
         self.spike, self.window, self.overflows = float(spike), window, overflows
+        self.lr_tolerance = float(lr_tolerance)
         self._memory = _Memory()
 
     @property
@@ -114,7 +121,7 @@ class PrecisionPolicy:
             elif self.end is not None and t > self.end:
                 decision, reason = False, f"after end ({self.end})"
         if self.mode in ("lr", "auto") and lr is not None:
-            if memory.last_lr is not None and float(lr) != memory.last_lr:
+            if memory.last_lr is not None and abs(float(lr) - memory.last_lr) > self.lr_tolerance * abs(memory.last_lr):
                 memory.lr_hold_until = t + self.hold
             memory.last_lr = float(lr)
             if decision and memory.lr_hold_until is not None and t < memory.lr_hold_until:
@@ -172,7 +179,8 @@ class PrecisionPolicy:
         """The settings and everything seen so far, as plain values (JSON-safe)."""
         settings = {"mode": self.mode, "per": self.per, "start": self.start, "end": self.end, "hold": self.hold,
                     "interval": self.interval, "interval_hold": self.interval_hold, "spike": self.spike,
-                    "window": self.window, "overflows": self.overflows, "dtype": self.dtype}  # fmt: skip
+                    "window": self.window, "overflows": self.overflows, "dtype": self.dtype,
+                    "lr_tolerance": self.lr_tolerance}  # fmt: skip
         return {"settings": settings, "memory": asdict(self._memory)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -183,6 +191,34 @@ class PrecisionPolicy:
             raise ValueError(f"this state is for a policy with other settings ({', '.join(differ)}): "
                              f"{ {k: state['settings'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")  # fmt: skip
         self._memory = _Memory(**state["memory"])
+
+
+_SETTINGS = {"start": int, "end": int, "hold": int, "interval": int, "interval_hold": int, "spike": float,
+             "window": int, "overflows": int, "lr_tolerance": float}  # fmt: skip
+
+
+def parse_policy(spec: str, **fixed: Any) -> PrecisionPolicy:
+    """`mode[:setting=value,...]` -> PrecisionPolicy, e.g. `auto:start=1000,hold=50`; `fixed` settings are added."""
+    mode, _, rest = spec.strip().partition(":")
+    settings: dict[str, Any] = {}
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        name = name.replace("-", "_")
+        if not eq or name not in _SETTINGS:
+            raise ValueError(f"invalid setting {item!r}; accepted: setting=value with settings {', '.join(_SETTINGS)}")
+        try:
+            settings[name] = None if value.lower() == "none" else _SETTINGS[name](value)
+        except ValueError:
+            raise ValueError(f"invalid {name}={value!r}; accepted: {'an integer' if _SETTINGS[name] is int else 'a number'}") from None
+    return PrecisionPolicy(mode.strip().lower(), **settings, **fixed)
+
+
+def zero_code_policy(spec: str) -> PrecisionPolicy:
+    """The per-step policy of `amp_policy=spec`: mode auto or time, decided from what trainaccel observes."""
+    mode = spec.strip().partition(":")[0].strip().lower()
+    if mode not in ("auto", "time"):
+        raise ValueError(f"mode {mode!r} needs the explicit API (it requires lr= or loss= at every call); zero-code takes auto or time")
+    return parse_policy(spec, per="step")
 
 
 class MixedPrecision_TrainingPolicy:  # noqa: N801 - the name users of the integer policies already write

@@ -44,9 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart of the arms (needs trainaccel[plot])")
-    options = parser.add_argument_group("trainaccel options for the trainaccel arm")
-    for name in Config.option_names():
-        options.add_argument(Config.flag_name(name), dest=f"trainaccel_{name}", metavar="VALUE", help=Config.help_for(name))
+    Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
 
 
 def _arms(text: str) -> list[str]:
@@ -95,7 +93,7 @@ def _run_arm(
 ) -> dict:
     """Run one arm; `arm` is baseline, local, or trainaccel (also for variants, with their options)."""
     if arm == "trainaccel":
-        launcher, env = [*TRAINACCEL_RUN, *(f"{Config.flag_name(k)}={v}" for k, v in options.items())], dict(os.environ)
+        launcher, env = TRAINACCEL_RUN, {**os.environ, **{Config.env_name(k): v for k, v in options.items()}}
     else:
         launcher, env = TORCHRUN, plain_env()
     worker = [
@@ -167,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
         if len(variants) != len(args.variant):
             raise ValueError("each --variant needs its own label")
         emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
-        flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
+        flags = Config.flags_from(args)
         config = Config.resolve(flags=flags)
         if args.plot:
             check_available()

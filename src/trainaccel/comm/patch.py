@@ -174,6 +174,10 @@ def patch_ddp(config: Config) -> None:
             if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
                 kwargs["bucket_cap_mb"] = config.bucket_mb
         original(self, *args, **kwargs)
+        if config is not None and config.amp != "off":
+            from trainaccel.amp.ddp import enable_amp
+
+            enable_amp(self, config)
         if config is not None and hasattr(self, "reducer"):
             # Registered at the first forward, so a script that registers its own hook after
             # building the model keeps it (DDP accepts only one hook per model).
@@ -195,6 +199,11 @@ def unpatch_ddp() -> None:
 
 def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, *, config: Config) -> None:
     ddp_model.__dict__.pop("_trainaccel_first_forward").remove()
+    if config.compile == "on":
+        # From the second step on: this first call registers hooks, which is no work for a compiler.
+        from trainaccel.compiler import compile
+
+        compile(ddp_model, config.compile_preset)
     existing = ddp_model._get_ddp_logging_data().get("comm_hook")
     if existing:
         log.info("keeping the communication hook %s registered by the script", existing)

@@ -31,10 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Start a distributed training script with trainaccel's acceleration, unchanged. "
         "Takes every torchrun flag; trainaccel options may also come from TRAINACCEL_<OPTION> env."
     )
-    options = parser.add_argument_group("trainaccel options")
-    for name in Config.option_names():
-        flags = [Config.flag_name(name)] + (["--" + name] if "_" in name else [])
-        options.add_argument(*flags, dest=f"trainaccel_{name}", metavar="VALUE", help=Config.help_for(name))
+    Config.add_arguments(parser.add_argument_group("trainaccel options"))
     hosts = parser.add_argument_group("host lists (mpirun style)")
     hosts.add_argument("-np", "--np", dest="np", type=int, help="total number of processes")
     hosts.add_argument("-H", "--hosts", dest="hosts", help="hosts with slots, e.g. host1:8,host2:8")
@@ -80,7 +77,7 @@ def script_argv(args: argparse.Namespace) -> list[str]:
 
 def trainaccel_env(args: argparse.Namespace) -> dict[str, str]:
     """Validate the options (flags over env) and return the TRAINACCEL_* env that carries them."""
-    flags = {name: getattr(args, f"trainaccel_{name}") for name in Config.option_names()}
+    flags = Config.flags_from(args)
     config = Config.resolve(flags=flags)
     env = {k: v for k, v in os.environ.items() if k.startswith("TRAINACCEL_")}
     for name, raw in flags.items():
