@@ -43,6 +43,12 @@ def test_values_are_normalised():
         ({}, {"TRAINACCEL_HIERARCHICAL": "maybe"}, {}, "invalid hierarchical='maybe' (from TRAINACCEL_HIERARCHICAL); accepted: auto, on, off"),
         ({"nan_check": "loud"}, {}, {}, "invalid nan_check='loud' (from keyword); accepted: off, warn, raise"),
         ({}, {"TRAINACCEL_LOG_LEVEL": "chatty"}, {}, "invalid log_level='chatty' (from TRAINACCEL_LOG_LEVEL); accepted: debug, info, warning, error"),
+        ({"amp": "fp8"}, {}, {}, "invalid amp='fp8' (from keyword); accepted: off, bf16, fp16, on, O0, O1"),
+        ({}, {}, {"compile": "fast"}, "invalid compile='fast' (from --compile); accepted: off, on"),
+        ({}, {"TRAINACCEL_COMPILE_PRESET": "turbo"}, {}, "invalid compile_preset='turbo' (from TRAINACCEL_COMPILE_PRESET); accepted: default, reduce-overhead, max-autotune"),
+        ({"amp_policy": "loss"}, {}, {}, "invalid amp_policy='loss' (from keyword); accepted: always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy) (mode 'loss' needs the explicit API (it requires lr= or loss= at every call); zero-code takes auto or time)"),
+        ({}, {"TRAINACCEL_AMP_POLICY": "auto:hold=x"}, {}, "invalid amp_policy='auto:hold=x' (from TRAINACCEL_AMP_POLICY); accepted: always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy) (invalid hold='x'; accepted: an integer)"),
+        ({"amp_policy": "time:start=5,end=2"}, {}, {}, "invalid amp_policy='time:start=5,end=2' (from keyword); accepted: always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy) (invalid end=2; accepted: None (to the end of training) or an integer >= start (5))"),
     ],
 )
 def test_invalid_values_name_option_value_source_and_accepted(kwargs, env, flags, expected):
@@ -79,3 +85,26 @@ def test_names_match_across_code_cli_and_env():
     for name in Config.option_names():
         assert Config.env_name(name) == "TRAINACCEL_" + name.upper()
         assert Config.flag_name(name) == "--" + name.replace("_", "-")
+
+
+def test_amp_levels_and_switches_normalise():
+    assert Config.resolve(env={"TRAINACCEL_AMP": "O1"}).amp == "on"
+    assert Config.resolve(env={}, amp="o0").amp == "off"
+    assert Config.resolve(env={}, amp=True, compile=True).describe().split()[10:14] == [
+        "amp=on", "amp_policy=always", "compile=on", "compile_preset=default"
+    ]
+    assert Config.resolve(env={}, amp_policy=" Always ").amp_policy == "always"
+    assert Config.resolve(env={}, amp_policy="auto:hold=50").amp_policy == "auto:hold=50"
+
+
+def test_option_flags_parse_with_the_script_after_a_bare_switch():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    Config.add_arguments(parser)
+    parser.add_argument("script")
+    args = parser.parse_args(["--compile", "train.py"])
+    assert args.script == "train.py" and Config.flags_from(args)["compile"] == "on"
+    args = parser.parse_args(["--amp-level", "O1", "--amp_policy", "auto", "--compile-preset", "max-autotune", "t.py"])
+    flags = Config.flags_from(args)
+    assert (flags["amp"], flags["amp_policy"], flags["compile_preset"], flags["compile"]) == ("O1", "auto", "max-autotune", None)

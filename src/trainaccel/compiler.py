@@ -34,15 +34,22 @@ def compile(model: nn.Module, preset: str = "default", *, backend: str | Callabl
         raise ValueError(f"invalid preset={preset!r}; accepted: {', '.join(PRESETS)}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainaccel.compile takes an nn.Module, got {type(model).__name__}")
-    missing = missing_toolchain(backend, _device_type(model))
+    missing = missing_toolchain(backend, _device_type(model)) or _unsupported_ddp_buckets(model)
     if missing:
         if not fallback:
             raise RuntimeError(f"cannot compile: {missing}")
-        log.warning("torch.compile is unavailable (%s): %s runs eager", missing, type(model).__name__)
+        log.warning("not compiling %s (%s): it runs eager", type(model).__name__, missing)
         return model
-    model.compile(backend=backend, mode=PRESETS[preset], fullgraph=fullgraph, dynamic=dynamic)
-    if fallback:
-        model._compiled_call_impl = _eager_on_failure(model, model._compiled_call_impl)
+    call_impl = model._call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # A frame of ours to start tracing from: TorchDynamo skips frames that begin inside torch
+        # (so `nn.Sequential.compile()` compiles nothing) but inlines torch code called from here.
+        return call_impl(*args, **kwargs)
+
+    compiled = torch.compile(call, backend=backend, mode=PRESETS[preset], fullgraph=fullgraph, dynamic=dynamic)
+    # What `nn.Module.compile()` sets: `model(...)` runs it, the module and its state_dict stay as they are.
+    model._compiled_call_impl = _eager_on_failure(model, compiled) if fallback else compiled
     return model
 
 
@@ -64,6 +71,17 @@ def missing_toolchain(backend: str | Callable, device_type: str) -> str:
     return ""
 
 
+def _unsupported_ddp_buckets(model: nn.Module) -> str:
+    """Why TorchDynamo's DDP graph splitting cannot take this DDP model's buckets; '' when it can."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    first = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+    if isinstance(model, DistributedDataParallel) and model.bucket_bytes_cap < first:
+        return (f"DDP buckets of {model.bucket_bytes_cap / 2**20:g} MiB are smaller than the first bucket "
+                f"({first / 2**20:g} MiB) that TorchDynamo's DDP graph splitting needs")  # fmt: skip
+    return ""
+
+
 def _device_type(model: nn.Module) -> str:
     return next((p.device.type for p in model.parameters()), "cpu")
 
@@ -78,8 +96,9 @@ def _eager_on_failure(model: nn.Module, compiled: Callable) -> Callable:
         except BackendCompilerFailed as e:
             # Compilation happens at a frame's first call, before its graph runs; only what ran
             # before a graph break (eagerly or compiled) runs twice, once, at the switch.
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            log.warning("torch.compile failed (%s): %s runs eager from now on", first_line, type(model).__name__)
+            cause = getattr(e, "inner_exception", None) or e.__cause__ or e
+            why = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+            log.warning("torch.compile failed (%s): %s runs eager from now on", why, type(model).__name__)
             model._compiled_call_impl = None
             return model._call_impl(*args, **kwargs)
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainaccel.amp import MixedPrecision_TrainingPolicy, PrecisionPolicy
+from trainaccel.amp import MixedPrecision_TrainingPolicy, PrecisionPolicy, parse_policy
 
 T, F = True, False
 NAN = math.nan
@@ -125,6 +125,11 @@ def test_the_integer_policies():
     (lambda: PrecisionPolicy(dtype="int8"), "invalid dtype='int8'"),
     (lambda: PrecisionPolicy("time").enabled(step=3), "this policy decides per epoch: pass epoch= as an integer >= 0 (got None)"),
     (lambda: PrecisionPolicy("lr").enabled(epoch=3), "mode 'lr' needs lr="),
+    (lambda: PrecisionPolicy(lr_tolerance=-1), "invalid lr_tolerance=-1; accepted: a number >= 0"),
+    (lambda: parse_policy("auto:speed=3"), "invalid setting 'speed=3'; accepted: setting=value with settings start, end"),
+    (lambda: parse_policy("auto:hold"), "invalid setting 'hold'"),
+    (lambda: parse_policy("auto:spike=big"), "invalid spike='big'; accepted: a number"),
+    (lambda: parse_policy("sometimes"), "invalid mode='sometimes'"),
 ])  # fmt: skip
 def test_bad_arguments_are_named(make, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
@@ -175,3 +180,23 @@ def test_autocast_applies_the_latest_decision():
         assert (x @ x).dtype == torch.bfloat16
     assert policy.device_dtype("cuda") == torch.float16
     assert PrecisionPolicy(dtype="bf16").device_dtype("cuda") == torch.bfloat16
+
+
+def test_lr_tolerance_ignores_small_moves_in_auto_and_none_in_lr():
+    lrs = [0.1, 0.099, 0.098, 0.097, 0.01, 0.01, 0.01, 0.01]  # a smooth decay, then a step down
+    auto = PrecisionPolicy(hold=2)  # tolerance 10% by default in auto
+    assert decide(auto, per="step", lr=lrs) == [T, T, T, T, F, F, T, T]
+    strict = PrecisionPolicy("lr", hold=2, per="step")  # any change
+    assert decide(strict, per="step", lr=lrs) == [T, F, F, F, F, F, T, T]
+    loose = PrecisionPolicy("lr", hold=2, per="step", lr_tolerance=0.95)
+    assert decide(loose, per="step", lr=lrs) == [T] * 8
+
+
+def test_parse_policy_reads_settings_by_name():
+    policy = parse_policy(" Auto : start=3, end=none, hold=2, interval-hold=5, interval=10, spike=0.25 ")
+    settings = policy.state_dict()["settings"]
+    assert (policy.mode, policy.per) == ("auto", "step")
+    assert {k: settings[k] for k in ("start", "end", "hold", "interval", "interval_hold", "spike")} == {
+        "start": 3, "end": None, "hold": 2, "interval": 10, "interval_hold": 5, "spike": 0.25
+    }
+    assert parse_policy("time", per="epoch").per == "epoch"

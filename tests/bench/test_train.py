@@ -34,18 +34,20 @@ def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
     assert arms["local"]["bytes_per_step"] == 0 and arms["local"]["comm_hook"] == "no_communication"
 
 
-def test_bench_train_baseline_ignores_trainaccel_env(tmp_path):
+def test_bench_train_baseline_ignores_trainaccel_env_and_variants_apply_amp(tmp_path):
     out = tmp_path / "bench.json"
     proc = run(
-        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "1",
+        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "2", "--repeats", "1",
          "--batch-size", "2", "--arms", "baseline,trainaccel", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
-         "--json", out],
+         "--variant", "fast:amp=bf16", "--json", out],
         env={"TRAINACCEL_COMPRESSION": "bf16"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     arms = report["arms"]
-    assert list(arms) == ["baseline", "trainaccel", "sparse"]
+    assert list(arms) == ["baseline", "trainaccel", "sparse", "fast"]
+    assert [arms[a]["amp"] for a in arms] == [None, None, None, "bfloat16"]
+    assert [arms[a]["compiled"] for a in arms] == [False] * 4
     assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4  # plain DDP, untouched by the env
     assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2  # bf16 from the env
     # The variant's flags beat the env; randomk sends every 4th element of each bucket.
@@ -53,7 +55,9 @@ def test_bench_train_baseline_ignores_trainaccel_env(tmp_path):
     assert report["arm_options"]["sparse"] == {"compression": "randomk", "compression_ratio": "0.25"}
 
 
-def test_bench_train_rejects_bad_arguments():
+def test_bench_train_rejects_bad_arguments(capsys):
+    from trainaccel.cli import main
+
     for args, message in [
         (["--arms", "baseline,fast"], "invalid --arms 'baseline,fast'"),
         (["--repeats", "0"], "invalid --repeats 0; accepted: an integer >= 1"),
@@ -61,6 +65,8 @@ def test_bench_train_rejects_bad_arguments():
         (["--variant", "local:compression=fp16"], "invalid --variant 'local:compression=fp16'"),
         (["--variant", "x:compresion=fp16"], "invalid option 'compresion=fp16' in --variant x"),
         (["--variant", "x:compression_ratio=2"], "--variant x: invalid compression_ratio='2'"),
+        (["--amp", "fp8"], "invalid amp='fp8' (from --amp)"),
+        (["--variant", "x:amp_policy=lr"], "--variant x: invalid amp_policy='lr'"),
     ]:
-        proc = run([*trainaccel_cmd(), "bench", "train", *args])
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert main(["bench", "train", *args]) == 2  # in this process: it fails before starting any worker
+        assert message in capsys.readouterr().err

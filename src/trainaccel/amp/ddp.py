@@ -60,6 +60,7 @@ class _Observed:
 
 
 _observed = _Observed()
+_warned_cpu = False
 
 
 @dataclass
@@ -97,6 +98,11 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
         return getattr(ddp_model, "trainaccel_amp", None)
     policy = None if config.amp_policy == "always" else zero_code_policy(config.amp_policy)
     state = AmpState(dtype, device_type, policy)
+    global _warned_cpu
+    if device_type == "cpu" and not native_cpu_support(dtype) and _is_rank_zero() and not _warned_cpu:
+        _warned_cpu = True
+        log.warning("amp=%s: this CPU has no native %s matrix instructions (AVX512-BF16 or AMX); autocast on it "
+                    "is likely slower than float32 (see docs/BENCHMARKS.md)", config.amp, dtype)  # fmt: skip
     if policy is not None:
         _observe_training_loop()
     forward = ddp_model.forward
@@ -120,6 +126,14 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
     ddp_model.forward = autocast_forward
     ddp_model.trainaccel_amp = state
     return state
+
+
+def native_cpu_support(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices in hardware (else oneDNN emulates it, slowly)."""
+    cpu = torch.cpu
+    if dtype == torch.bfloat16:
+        return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    return cpu._is_amx_fp16_supported()
 
 
 def _to_float32(value: Any) -> Any:
@@ -210,6 +224,7 @@ def reset() -> None:
             handle.remove()
         torch.Tensor.backward = original_backward
     _observed = _Observed()
+_warned_cpu = False
 
 
 def _is_rank_zero() -> bool:

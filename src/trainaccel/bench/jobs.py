@@ -93,6 +93,8 @@ def report_header(benchmark: str, args: argparse.Namespace) -> dict:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # bf16 speed hangs on AVX512-BF16/AMX
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         },
         "settings": {
             k: v for k, v in vars(args).items() if k not in ("command", "benchmark") and not k.startswith("trainaccel_")

@@ -120,6 +120,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "peak_memory_bytes": max(r["peak_memory_bytes"] for r in results),
             "comm_hook": results[-1]["comm_hook"],
             "parameters": results[-1]["parameters"],
+            "amp": results[-1]["amp"],
+            "compiled": results[-1]["compiled"],
+            "final_loss": statistics.median(r["final_loss"] for r in results),
         }
         if base:
             entry["ratio_vs_baseline"] = statistics.median(

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainaccel.amp import scaled
 from trainaccel.bench.models import get_model
 from trainaccel.comm import bytes_per_step, comm_state
+from trainaccel.compiler import is_compiled
 
 ARMS = ("baseline", "trainaccel", "local")
 
@@ -78,7 +80,7 @@ def main() -> None:
     model = DistributedDataParallel(spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     if args.arm == "local":
         model.register_comm_hook(None, no_communication)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = scaled(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))  # loss scaling if amp=fp16
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, *spec.example_shape(args.image_size), generator=g).to(device)
     y = torch.randint(0, spec.num_classes, (args.batch_size,), generator=g).to(device)
@@ -114,6 +116,8 @@ def main() -> None:
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),
             "final_loss": loss.item(),
+            "amp": str(model.trainaccel_amp.dtype).removeprefix("torch.") if hasattr(model, "trainaccel_amp") else None,
+            "compiled": is_compiled(model),
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
