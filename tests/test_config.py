@@ -46,9 +46,9 @@ def test_values_are_normalised():
         ({"amp": "fp8"}, {}, {}, "invalid amp='fp8' (from keyword); accepted: off, bf16, fp16, on, O0, O1"),
         ({}, {}, {"compile": "fast"}, "invalid compile='fast' (from --compile); accepted: off, on"),
         ({}, {"TRAINACCEL_COMPILE_PRESET": "turbo"}, {}, "invalid compile_preset='turbo' (from TRAINACCEL_COMPILE_PRESET); accepted: default, reduce-overhead, max-autotune"),
-        ({"amp_policy": "loss"}, {}, {}, "invalid amp_policy='loss' (from keyword); accepted: always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy) (mode 'loss' needs the explicit API (it requires lr= or loss= at every call); zero-code takes auto or time)"),
-        ({}, {"TRAINACCEL_AMP_POLICY": "auto:hold=x"}, {}, "invalid amp_policy='auto:hold=x' (from TRAINACCEL_AMP_POLICY); accepted: always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy) (invalid hold='x'; accepted: an integer)"),
-        ({"amp_policy": "time:start=5,end=2"}, {}, {}, "invalid amp_policy='time:start=5,end=2' (from keyword); accepted: always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy) (invalid end=2; accepted: None (to the end of training) or an integer >= start (5))"),
+        ({"amp_policy": "loss"}, {}, {}, "invalid amp_policy='loss' (from keyword); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, before the first step too: use it through the API"),
+        ({}, {"TRAINACCEL_AMP_POLICY": "auto:hold=x"}, {}, "invalid amp_policy='auto:hold=x' (from TRAINACCEL_AMP_POLICY); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: invalid hold='x'; accepted: an integer"),
+        ({"amp_policy": "time:start=5,end=2"}, {}, {}, "invalid amp_policy='time:start=5,end=2' (from keyword); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: invalid end=2; accepted: None (to the end of training) or an integer >= start (5)"),
     ],
 )
 def test_invalid_values_name_option_value_source_and_accepted(kwargs, env, flags, expected):

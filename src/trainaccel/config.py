@@ -92,11 +92,11 @@ def _amp_policy(name: str, raw: Any) -> str:
     try:
         zero_code_policy(value)
     except ValueError as e:
-        raise ConfigError(name, raw, f"{_amp_policy.accepted} ({e})") from None  # type: ignore[attr-defined]
+        raise ConfigError(name, raw, f"{_amp_policy.accepted}; here: {e}") from None  # type: ignore[attr-defined]
     return value
 
 
-_amp_policy.accepted = "always, or auto|time[:setting=value,...] (see trainaccel.amp.PrecisionPolicy)"  # type: ignore[attr-defined]
+_amp_policy.accepted = "always, auto[:setting=value,...] or time[:setting=value,...]"  # type: ignore[attr-defined]
 
 
 def _option(default: Any, parse: Callable[[str, Any], Any], help: str, *, aliases: tuple[str, ...] = (),

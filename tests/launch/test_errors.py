@@ -22,6 +22,10 @@ from conftest import SCRIPTS, run, trainaccel_cmd
          "trainaccel run: error: invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)"),
         (["--nan-check", "sometimes"], {},
          "trainaccel run: error: invalid nan_check='sometimes' (from --nan-check); accepted: off, warn, raise"),
+        (["--amp-level", "O1"], {"TRAINACCEL_AMP_POLICY": "loss:hold=3"},
+         "trainaccel run: error: invalid amp_policy='loss:hold=3' (from TRAINACCEL_AMP_POLICY); accepted: always, "
+         "auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, "
+         "before the first step too: use it through the API"),
     ],
 )  # fmt: skip
 def test_invalid_option_exits_before_workers(tmp_path, flags, env, expected):

@@ -217,7 +217,7 @@ def zero_code_policy(spec: str) -> PrecisionPolicy:
     """The per-step policy of `amp_policy=spec`: mode auto or time, decided from what trainaccel observes."""
     mode = spec.strip().partition(":")[0].strip().lower()
     if mode not in ("auto", "time"):
-        raise ValueError(f"mode {mode!r} needs the explicit API (it requires lr= or loss= at every call); zero-code takes auto or time")
+        raise ValueError(f"mode {mode!r} needs its value at every call, before the first step too: use it through the API")
     return parse_policy(spec, per="step")
 
 
