@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -83,3 +84,14 @@ def run_checks(script: str, out_dir: Path, workers: int, *args) -> list[dict]:
 @pytest.fixture
 def scripts() -> Path:
     return SCRIPTS
+
+
+@pytest.fixture
+def trainaccel_messages() -> list[str]:
+    """The messages trainaccel logs during the test, whatever its handlers and levels."""
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("trainaccel").addHandler(handler)
+    yield seen
+    logging.getLogger("trainaccel").removeHandler(handler)

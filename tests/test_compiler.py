@@ -1,7 +1,5 @@
 """`trainaccel.compile`: in place, presets checked, eager with a clear message when it cannot compile."""
 
-import logging
-
 import pytest
 import torch
 from torch import nn
@@ -11,13 +9,8 @@ from trainaccel import compiler
 
 
 @pytest.fixture
-def messages():
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("trainaccel").addHandler(handler)
-    yield seen
-    logging.getLogger("trainaccel").removeHandler(handler)
+def messages(trainaccel_messages):
+    return trainaccel_messages
 
 
 def _model() -> nn.Module:

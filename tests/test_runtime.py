@@ -1,5 +1,3 @@
-import logging
-
 import pytest
 from torch.nn.parallel import DistributedDataParallel
 
@@ -9,19 +7,14 @@ from trainaccel.comm import unpatch_ddp
 
 
 @pytest.fixture
-def clean(monkeypatch):
+def clean(monkeypatch, trainaccel_messages):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name in list(__import__("os").environ):
         if name.startswith("TRAINACCEL_"):
             monkeypatch.delenv(name)
     original = DistributedDataParallel.__init__
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("trainaccel").addHandler(handler)
-    yield messages
-    logging.getLogger("trainaccel").removeHandler(handler)
+    yield trainaccel_messages
     unpatch_ddp()
     runtime._config = None
     assert DistributedDataParallel.__init__ is original

@@ -98,3 +98,13 @@ def test_scaled_is_a_no_op_unless_autocasting_in_float16(one_worker):
     assert getattr(optimizer, "trainaccel_scaler", None) is None
     trainaccel.init(amp="on", start_process_group=False)  # on CPU: bfloat16
     assert trainaccel.amp.scaled(optimizer) is optimizer and optimizer.step == step
+
+
+def test_fp16_without_scaled_stops_at_the_first_training_forward_naming_the_line(one_worker):
+    trainaccel.init(amp="fp16", start_process_group=False)
+    model = DDP(_model())
+    x, _ = next(_batches(1))
+    with torch.no_grad():
+        assert model(x).dtype == torch.float32  # evaluation needs no loss scaling
+    with pytest.raises(RuntimeError, match=r"add `optimizer = trainaccel.amp.scaled\(optimizer\)`"):
+        model(x)

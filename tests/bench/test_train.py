@@ -38,18 +38,18 @@ def test_bench_train_baseline_ignores_trainaccel_env_and_variants_apply_amp(tmp_
     out = tmp_path / "bench.json"
     proc = run(
         [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "2", "--repeats", "1",
-         "--batch-size", "2", "--arms", "baseline,trainaccel", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
+         "--batch-size", "2", "--arms", "baseline", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
          "--variant", "fast:amp=bf16", "--json", out],
         env={"TRAINACCEL_COMPRESSION": "bf16"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     arms = report["arms"]
-    assert list(arms) == ["baseline", "trainaccel", "sparse", "fast"]
-    assert [arms[a]["amp"] for a in arms] == [None, None, None, "bfloat16"]
-    assert [arms[a]["compiled"] for a in arms] == [False] * 4
+    assert list(arms) == ["baseline", "sparse", "fast"]
+    assert [arms[a]["amp"] for a in arms] == [None, None, "bfloat16"]
+    assert [arms[a]["compiled"] for a in arms] == [False] * 3
     assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4  # plain DDP, untouched by the env
-    assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2  # bf16 from the env
+    assert arms["fast"]["bytes_per_step"] == MLP_PARAMETERS * 2  # compression=bf16 from the env
     # The variant's flags beat the env; randomk sends every 4th element of each bucket.
     assert abs(arms["sparse"]["bytes_per_step"] - MLP_PARAMETERS) <= 16
     assert report["arm_options"]["sparse"] == {"compression": "randomk", "compression_ratio": "0.25"}

@@ -74,12 +74,12 @@ wrapped.step()
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [3])  # 3 splits unevenly; 2 added only time
 def test_unused_parameters_synchronize_and_groups(tmp_path, workers):
     run_checks("horovod_unused.py", tmp_path, workers)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [3])  # 3 splits unevenly; 2 added only time
 def test_optimizer_options_and_every_optimizer_state(tmp_path, workers):
     ranks = run_checks("horovod_optimizer_options.py", tmp_path, workers)
     assert {"Adam", "SGD", "RMSprop", "Adagrad"} <= set(ranks[0]["optimizers"])

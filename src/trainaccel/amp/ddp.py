@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,18 +107,16 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
     if policy is not None:
         _observe_training_loop()
     forward = ddp_model.forward
+    before_forward = _before_forward
+    if config.compile == "on" or "torch._dynamo" in sys.modules:
+        # Untraced: the step and the policy's memory change every step, and a compiled frame would
+        # be specialised (and recompiled) on them; only the bool goes in. Importing TorchDynamo
+        # just for this would slow every start, so runs that do not compile skip it.
+        before_forward = torch.compiler.disable(_before_forward)
 
     @functools.wraps(forward)
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        _observed.update_scaler()
-        enabled = state.decide(ddp_model.training)
-        if enabled and dtype == torch.float16 and _observed.scaler is None and ddp_model.training and torch.is_grad_enabled():
-            raise RuntimeError(
-                "amp=fp16 needs loss scaling, or small gradients underflow to zero: add "
-                "`optimizer = trainaccel.amp.scaled(optimizer)` after building the optimizer (or use amp=bf16)"
-            )
-        state.forwards += 1
-        state.autocast_forwards += enabled
+        enabled = before_forward(state, ddp_model.training)
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             output = forward(*args, **kwargs)
         # The loss is computed outside the model, where autocast would have run it in float32.
@@ -126,6 +125,20 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
     ddp_model.forward = autocast_forward
     ddp_model.trainaccel_amp = state
     return state
+
+
+def _before_forward(state: AmpState, training: bool) -> bool:
+    """Bookkeeping before a forward: the deferred scaler update, the decision, the fp16 check."""
+    _observed.update_scaler()
+    enabled = state.decide(training)
+    if enabled and state.dtype == torch.float16 and _observed.scaler is None and training and torch.is_grad_enabled():
+        raise RuntimeError(
+            "amp=fp16 needs loss scaling, or small gradients underflow to zero: add "
+            "`optimizer = trainaccel.amp.scaled(optimizer)` after building the optimizer (or use amp=bf16)"
+        )
+    state.forwards += 1
+    state.autocast_forwards += enabled
+    return enabled
 
 
 def native_cpu_support(dtype: torch.dtype) -> bool:

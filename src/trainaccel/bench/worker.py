@@ -121,6 +121,11 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
+    # Gloo's thread frees the last collective's work after it completes, and that takes the GIL;
+    # destroying the group (here, or by the DDP model's reducer on return) holds the GIL and waits
+    # for that thread's lock. Releasing the GIL first avoids the deadlock (torch 2.13, Gloo).
+    time.sleep(0.05)
+    del model, optimizer
     dist.destroy_process_group()
 
 
