@@ -76,6 +76,8 @@ def test_no_namespace_survives_ctrl_c(tmp_path):
         [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "50", "--warmup", "1", "--repeats", "3",
          "--batch-size", "2", "--emulate", "nodes=2,procs-per-node=1,link=100mbit"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A suite started in the background (`cmd &`) inherits SIGINT ignored; a user's Ctrl-C is not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     prefix = f"ta{proc.pid}-"
     deadline = time.monotonic() + 60
