@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from trainaccel.amp.policy import PrecisionPolicy, zero_code_policy
+from trainaccel.comm.patch import _is_rank_zero, _warn_once
 from trainaccel.config import Config
 
 log = logging.getLogger("trainaccel")
@@ -61,7 +62,6 @@ class _Observed:
 
 
 _observed = _Observed()
-_warned_cpu = False
 
 
 @dataclass
@@ -99,11 +99,9 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
         return getattr(ddp_model, "trainaccel_amp", None)
     policy = None if config.amp_policy == "always" else zero_code_policy(config.amp_policy)
     state = AmpState(dtype, device_type, policy)
-    global _warned_cpu
-    if device_type == "cpu" and not native_cpu_support(dtype) and _is_rank_zero() and not _warned_cpu:
-        _warned_cpu = True
-        log.warning("amp=%s: this CPU has no native %s matrix instructions (AVX512-BF16 or AMX); autocast on it "
-                    "is likely slower than float32 (see docs/BENCHMARKS.md)", config.amp, dtype)  # fmt: skip
+    if device_type == "cpu" and not native_cpu_support(dtype):
+        _warn_once(f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
+                   "autocast on it is likely slower than float32 (see docs/BENCHMARKS.md)")  # fmt: skip
     if policy is not None:
         _observe_training_loop()
     forward = ddp_model.forward
@@ -237,10 +235,3 @@ def reset() -> None:
             handle.remove()
         torch.Tensor.backward = original_backward
     _observed = _Observed()
-_warned_cpu = False
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
