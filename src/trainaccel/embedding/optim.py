@@ -12,21 +12,22 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from trainaccel.embedding.dynamic import DynamicEmbedding
 
-def _tables(tables: nn.Module | Iterable[nn.Module]) -> list:
-    """Every sparse-trainable table (DynamicEmbedding or sharded) under `tables`, each once."""
+
+def _tables(tables: nn.Module | Iterable[nn.Module]) -> tuple[list[DynamicEmbedding], list[nn.Module]]:
+    """The DynamicEmbedding tables (local shards included) under `tables`, and the sharded collections."""
     items = [tables] if isinstance(tables, nn.Module) else list(tables)
-    found: list = []
+    found: dict[int, nn.Module] = {}
     for item in items:
         if not isinstance(item, nn.Module):
             raise TypeError(f"invalid table {type(item).__name__}; accepted: modules holding embedding tables")
-        for m in item.modules():
-            is_table = hasattr(m, "take_gradients") and hasattr(m, "add_row_state")
-            if is_table and not any(m is inner for t in found for inner in t.modules()):  # a shard is its table's
-                found.append(m)
-    if not found:
+        found.update((id(m), m) for m in item.modules())
+    local = [m for m in found.values() if isinstance(m, DynamicEmbedding)]
+    sharded = [m for m in found.values() if hasattr(m, "exchange_gradients")]
+    if not local and not sharded:
         raise ValueError("no embedding tables found; accepted: DynamicEmbedding or sharded tables, or modules holding them")
-    return found
+    return local, sharded
 
 
 def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> float:
@@ -40,7 +41,7 @@ class SparseOptimizer:
     """Base: `step()` updates the touched rows of every table; `zero_grad()` is there for loop symmetry."""
 
     def __init__(self, tables: nn.Module | Iterable[nn.Module], **defaults: Any):
-        self.tables = _tables(tables)
+        self.tables, self._sharded = _tables(tables)
         self.defaults = defaults
         for table in self.tables:
             for name, (width, init) in self.state_spec(table.dim).items():
@@ -53,8 +54,13 @@ class SparseOptimizer:
     def update(self, table: Any, rows: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
-    @torch.no_grad()
     def step(self) -> None:
+        for collection in self._sharded:  # gradients travel back to the ranks that own the rows
+            collection.exchange_gradients()
+        with torch.no_grad():
+            self._update_tables()
+
+    def _update_tables(self) -> None:
         for table in self.tables:
             rows, grad = table.take_gradients()
             if rows.numel():
