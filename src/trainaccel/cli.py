@@ -15,7 +15,8 @@ USAGE = """trainaccel {run,info,demo,bench,pack} ...
   demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
   bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms),
          `trainaccel bench comm` (allreduce bandwidth over message sizes),
-         `trainaccel bench data` (images/s of input pipelines)
+         `trainaccel bench data` (images/s of input pipelines),
+         `trainaccel bench embedding` (lookups/s of embedding training steps)
   pack   image files into indexed TFRecord shards: `trainaccel pack make-list`,
          `trainaccel pack imagefolder`, `trainaccel pack list`, `trainaccel pack coco`
 """
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo)
     bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
-        dest="benchmark", metavar="{train,comm,data}", required=True
+        dest="benchmark", metavar="{train,comm,data,embedding}", required=True
     )
     from trainaccel.bench.comm import add_arguments as add_comm_arguments
     from trainaccel.bench.train import add_arguments as add_train_arguments
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainaccel.bench.data import add_arguments as add_data_arguments
 
     add_data_arguments(bench.add_parser("data", help="images/s: per-file loading vs packed shards, cold and warm cache"))
+    from trainaccel.bench.embedding import add_arguments as add_embedding_arguments
+
+    add_embedding_arguments(bench.add_parser("embedding", help="lookups/s: dense and sparse nn.EmbeddingBag, dynamic tables, TorchRec"))
     packing = commands.add_parser("pack", help="image files into indexed TFRecord shards").add_subparsers(
         dest="pack_command", metavar="{make-list,imagefolder,list,coco}", required=True
     )
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.bench.data import main as data_main
 
         return data_main(args)
+    if args.command == "bench" and args.benchmark == "embedding":
+        from trainaccel.bench.embedding import main as embedding_main
+
+        return embedding_main(args)
     if args.command == "bench":
         from trainaccel.bench.comm import main as comm_main
 

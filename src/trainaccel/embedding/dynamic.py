@@ -106,13 +106,13 @@ class DynamicEmbedding(nn.Module):
         """Rows of `ids` (any shape) -> ids.shape + (dim,); keys without a row read `default_value`."""
         ids = check_keys(ids)
         unique, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
-        return self.rows_for(unique, counts)[inverse].reshape(*ids.shape, self.dim)
+        return self.rows_for(unique, counts).index_select(0, inverse).reshape(*ids.shape, self.dim)
 
     def rows_for(self, keys: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of unique int64 `keys` as [n, dim]; a training lookup counts, admits and records them for the step."""
         training = self.training and torch.is_grad_enabled()
         rows = self._admit(keys, counts) if training else self._find_rows(keys)
-        values = self.weight[rows.clamp(min=0)]
+        values = self.weight.index_select(0, rows.clamp(min=0))
         missing = rows < 0
         if missing.any():
             values[missing] = self.default_value
@@ -191,12 +191,14 @@ class DynamicEmbedding(nn.Module):
         rows, grads = [], []
         for r, leaf in self._pending:
             if leaf.grad is not None:
-                keep = r >= 0
-                rows.append(r[keep])
-                grads.append(leaf.grad[keep])
+                keep = torch.nonzero(r >= 0).squeeze(1)
+                rows.append(r.index_select(0, keep))
+                grads.append(leaf.grad.index_select(0, keep))
         self._pending.clear()
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=self.device), self.weight.new_empty(0, self.dim)
+        if len(rows) == 1:  # one lookup of unique keys: its rows are distinct already
+            return rows[0], grads[0]
         rows_all, grads_all = torch.cat(rows), torch.cat(grads)
         unique, inverse = torch.unique(rows_all, return_inverse=True)
         summed = grads_all.new_zeros(unique.numel(), self.dim).index_add_(0, inverse, grads_all)

@@ -97,7 +97,7 @@ class SparseSGD(SparseOptimizer):
         super().__init__(tables, lr=_check("lr", lr))
 
     def update(self, table: Any, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        table.weight[rows] = table.weight[rows] - self.lr * grad
+        table.weight.index_copy_(0, rows, table.weight.index_select(0, rows).sub_(grad, alpha=self.lr))
 
 
 class SparseAdagrad(SparseOptimizer):
@@ -112,9 +112,10 @@ class SparseAdagrad(SparseOptimizer):
         return {"sum": (dim, self.defaults["initial_accumulator_value"])}
 
     def update(self, table: Any, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        total = table.row_state["sum"][rows].addcmul_(grad, grad)
-        table.row_state["sum"][rows] = total
-        table.weight[rows] = table.weight[rows].addcdiv_(grad, total.sqrt().add_(self.defaults["eps"]), value=-self.lr)
+        total = table.row_state["sum"].index_select(0, rows).addcmul_(grad, grad)
+        table.row_state["sum"].index_copy_(0, rows, total)
+        step = table.weight.index_select(0, rows).addcdiv_(grad, total.sqrt_().add_(self.defaults["eps"]), value=-self.lr)
+        table.weight.index_copy_(0, rows, step)
 
 
 class RowWiseAdagrad(SparseOptimizer):
@@ -129,9 +130,10 @@ class RowWiseAdagrad(SparseOptimizer):
         return {"row_sum": (1, self.defaults["initial_accumulator_value"])}
 
     def update(self, table: Any, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        total = table.row_state["row_sum"][rows] + grad.pow(2).mean(dim=1, keepdim=True)
-        table.row_state["row_sum"][rows] = total
-        table.weight[rows] = table.weight[rows] - self.lr * grad / (total.sqrt() + self.defaults["eps"])
+        total = table.row_state["row_sum"].index_select(0, rows) + grad.pow(2).mean(dim=1, keepdim=True)
+        table.row_state["row_sum"].index_copy_(0, rows, total)
+        step = self.lr * grad / (total.sqrt() + self.defaults["eps"])
+        table.weight.index_copy_(0, rows, table.weight.index_select(0, rows).sub_(step))
 
 
 class SparseAdam(SparseOptimizer):
@@ -153,12 +155,13 @@ class SparseAdam(SparseOptimizer):
     def update(self, table: Any, rows: torch.Tensor, grad: torch.Tensor) -> None:
         b1, b2 = self.defaults["betas"]
         step = table.scalars["adam_step"] = table.scalars.get("adam_step", 0.0) + 1
-        m = table.row_state["exp_avg"][rows].lerp_(grad, 1 - b1)
-        v = table.row_state["exp_avg_sq"][rows].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        table.row_state["exp_avg"][rows], table.row_state["exp_avg_sq"][rows] = m, v
+        m = table.row_state["exp_avg"].index_select(0, rows).lerp_(grad, 1 - b1)
+        v = table.row_state["exp_avg_sq"].index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        table.row_state["exp_avg"].index_copy_(0, rows, m)
+        table.row_state["exp_avg_sq"].index_copy_(0, rows, v)
         bias1, bias2 = 1 - b1**step, 1 - b2**step
         denom = (v.sqrt() / math.sqrt(bias2)).add_(self.defaults["eps"])
-        table.weight[rows] = table.weight[rows].addcdiv_(m, denom, value=-self.lr / bias1)
+        table.weight.index_copy_(0, rows, table.weight.index_select(0, rows).addcdiv_(m, denom, value=-self.lr / bias1))
 
 
 OPTIMIZERS = {"sgd": SparseSGD, "adagrad": SparseAdagrad, "rowwise_adagrad": RowWiseAdagrad, "adam": SparseAdam}
