@@ -3,6 +3,7 @@
 import json
 
 from conftest import run, trainaccel_cmd
+from trainaccel.bench.recsys import criteo_cardinalities
 
 MLP_PARAMETERS = 18_834_408
 
@@ -60,6 +61,7 @@ def test_bench_train_rejects_bad_arguments(capsys):
 
     for args, message in [
         (["--arms", "baseline,fast"], "invalid --arms 'baseline,fast'"),
+        (["--model", "deepfm", "--arms", "local"], "invalid --arms 'local' for deepfm; accepted: a comma-separated subset of baseline, trainaccel"),
         (["--repeats", "0"], "invalid --repeats 0; accepted: an integer >= 1"),
         (["--compression", "zip"], "invalid compression='zip' (from --compression)"),
         (["--variant", "local:compression=fp16"], "invalid --variant 'local:compression=fp16'"),
@@ -70,3 +72,20 @@ def test_bench_train_rejects_bad_arguments(capsys):
     ]:
         assert main(["bench", "train", *args]) == 2  # in this process: it fails before starting any worker
         assert message in capsys.readouterr().err
+
+
+def test_bench_train_deepfm_runs_both_arms(tmp_path):
+    out = tmp_path / "deepfm.json"
+    proc = run(
+        [*trainaccel_cmd(), "bench", "train", "--model", "deepfm", "--steps", "3", "--warmup", "1", "--repeats", "1",
+         "--batch-size", "64", "--max-rows", "1000", "--embedding-dim", "4", "--json", out],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    arms = json.loads(out.read_text())["arms"]
+    assert list(arms) == ["baseline", "trainaccel"]
+    base, ours = arms["baseline"], arms["trainaccel"]
+    tables = sum(criteo_cardinalities(1000))
+    assert base["bytes_per_step"] == base["parameters"] * 4  # plain DDP allreduces the tables too
+    assert base["parameters"] - ours["parameters"] == tables * 5  # the trainaccel arm keeps them out of DDP
+    assert 0 < ours["embedding_rows"] <= tables and 0 < ours["bytes_per_step"] < base["bytes_per_step"]
+    assert all(0 < a["final_loss"] < 5 for a in arms.values())

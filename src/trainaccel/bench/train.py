@@ -12,23 +12,29 @@ from pathlib import Path
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
 from trainaccel.bench.jobs import bench_session, report_header, run_workers
 from trainaccel.bench.models import MODELS
+from trainaccel.bench.recsys import RECSYS_MODELS
+from trainaccel.bench.recsys_worker import ARMS as RECSYS_ARMS  # no "local": the embedding exchange is the model
 from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
 
 WORKER_MODULE = "trainaccel.bench.worker"
+RECSYS_WORKER_MODULE = "trainaccel.bench.recsys_worker"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="resnet50", choices=list(MODELS), help="benchmark model (default resnet50)")
+    parser.add_argument("--model", default="resnet50", choices=[*MODELS, *RECSYS_MODELS], help="benchmark model (default resnet50)")
     parser.add_argument("--image-size", type=int, default=224, help="image side for the ResNets (default 224)")
+    parser.add_argument("--embedding-dim", type=int, default=16, help="factor dim of deepfm and wide_deep (default 16)")
+    parser.add_argument("--max-rows", type=int, default=1_000_000,
+                        help="deepfm/wide_deep: Criteo's 26 table sizes capped at this (default 1000000: 5.6M rows)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=32, help="examples per worker per step (default 32)")
     parser.add_argument("--steps", type=int, default=20, help="steps per run, warm-up included (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--arms", help=f"comma-separated subset of {', '.join(ARMS)} (deepfm, wide_deep: {', '.join(RECSYS_ARMS)}; default all)")
     parser.add_argument(
         "--variant",
         action="append",
@@ -47,11 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
 
 
-def _arms(text: str) -> list[str]:
+def _arms(text: str | None, model: str) -> list[str]:
+    accepted = RECSYS_ARMS if model in RECSYS_MODELS else ARMS
+    if text is None:
+        return list(accepted)
     arms = [a.strip() for a in text.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARMS]
+    bad = [a for a in arms if a not in accepted]
     if bad or not arms or len(set(arms)) != len(arms):
-        raise ValueError(f"invalid --arms {text!r}; accepted: a comma-separated subset of {', '.join(ARMS)}")
+        raise ValueError(f"invalid --arms {text!r} for {model}; accepted: a comma-separated subset of {', '.join(accepted)}")
     return arms
 
 
@@ -81,7 +90,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag in ("image_size", "batch_size", "repeats", "nproc_per_node"):
+    for flag in ("image_size", "batch_size", "repeats", "nproc_per_node", "embedding_dim", "max_rows"):
         if getattr(args, flag) < 1:
             raise ValueError(f"invalid --{flag.replace('_', '-')} {getattr(args, flag)}; accepted: an integer >= 1")
     if not 0 <= args.warmup < args.steps:
@@ -96,10 +105,12 @@ def _run_arm(
         launcher, env = TRAINACCEL_RUN, {**os.environ, **{Config.env_name(k): v for k, v in options.items()}}
     else:
         launcher, env = TORCHRUN, plain_env()
-    worker = [
-        "-m", WORKER_MODULE, f"--arm={arm}", f"--model={args.model}", f"--image-size={args.image_size}",
-        f"--batch-size={args.batch_size}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--out={out}",
-    ]  # fmt: skip
+    common = [f"--arm={arm}", f"--model={args.model}", f"--batch-size={args.batch_size}", f"--steps={args.steps}",
+              f"--warmup={args.warmup}", f"--out={out}"]  # fmt: skip
+    if args.model in RECSYS_MODELS:
+        worker = ["-m", RECSYS_WORKER_MODULE, *common, f"--dim={args.embedding_dim}", f"--max-rows={args.max_rows}"]
+    else:
+        worker = ["-m", WORKER_MODULE, *common, f"--image-size={args.image_size}"]
     return run_workers(
         f"arm {arm}", launcher, worker, out, env, nproc_per_node=args.nproc_per_node, cluster=cluster, port=port
     )
@@ -124,6 +135,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "compiled": results[-1]["compiled"],
             "final_loss": statistics.median(r["final_loss"] for r in results),
         }
+        entry.update({k: results[-1][k] for k in ("embedding_rows", "embedding_bytes_per_step") if k in results[-1]})
         if base:
             entry["ratio_vs_baseline"] = statistics.median(
                 r / b["examples_per_s_per_worker"] for r, b in zip(rates, base)
@@ -163,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         _check(args)
-        arms = _arms(args.arms)
+        arms = _arms(args.arms, args.model)
         variants = dict(parse_variant(v) for v in args.variant)
         if len(variants) != len(args.variant):
             raise ValueError("each --variant needs its own label")

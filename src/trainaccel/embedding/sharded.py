@@ -69,6 +69,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.placement = self._place(placement)
         self.shards = nn.ModuleDict({name: DynamicEmbedding(**self.options[name]) for name in self.names if self.holds(name)})
         self._exchanges: list[_Exchange] = []
+        self.bytes_sent = 0  # to other ranks, keys, rows and gradients: for benchmarks and monitoring
 
     def _place(self, placement: Mapping[str, int] | None) -> dict[str, int]:
         if self.sharding == "row":
@@ -174,6 +175,8 @@ class ShardedEmbeddingCollection(nn.Module):
     def _all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         if self.world == 1:
             return tensor.detach().clone()
+        row_bytes = tensor.element_size() * (tensor[0].numel() if tensor.dim() > 1 else 1)
+        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * row_bytes
         out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
         dist.all_to_all_single(out, tensor.detach().contiguous(), recv_splits, send_splits, group=self.group)
         return out
