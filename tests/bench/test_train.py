@@ -11,7 +11,7 @@ MLP_PARAMETERS = 18_834_408
 def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = run(
-        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "2",
+        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "1",
          "--batch-size", "4", "--compression", "fp16", "--json", out, "--plot", tmp_path / "arms.png"],
         env={"COLUMNS": "200"},
     )  # fmt: skip
@@ -20,11 +20,11 @@ def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
     assert (tmp_path / "arms.png").read_bytes().startswith(b"\x89PNG")
     report = json.loads(out.read_text())
     assert report["benchmark"] == "train" and report["command"][:3] == ["trainaccel", "bench", "train"]
-    assert report["settings"]["repeats"] == 2 and report["machine"]["cpus"] >= 1
+    assert report["settings"]["repeats"] == 1 and report["machine"]["cpus"] >= 1
     arms = report["arms"]
     assert list(arms) == ["baseline", "trainaccel", "local"]
     for arm in arms.values():
-        assert len(arm["examples_per_s_per_worker"]) == 2
+        assert len(arm["examples_per_s_per_worker"]) == 1
         assert 0 < arm["min"] <= arm["median"] <= arm["max"]
         assert arm["ratio_vs_baseline"] > 0 and arm["peak_memory_bytes"] > 0
         assert arm["parameters"] == MLP_PARAMETERS
@@ -33,6 +33,26 @@ def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
     assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2
     assert arms["trainaccel"]["comm_hook"] == "trainaccel_comm_hook"
     assert arms["local"]["bytes_per_step"] == 0 and arms["local"]["comm_hook"] == "no_communication"
+
+
+def test_summaries_pair_each_repeat_with_the_baselines_and_take_medians():
+    from trainaccel.bench.train import summarize
+
+    def result(rate: float, loss: float) -> dict:
+        return {"examples_per_s_per_worker": rate, "bytes_per_step": 8.0, "peak_memory_bytes": int(rate), "comm_hook": None,
+                "parameters": 3, "amp": None, "compiled": False, "final_loss": loss}  # fmt: skip
+
+    runs = {
+        "baseline": [result(10, 1.0), result(20, 2.0), result(40, 3.0)],
+        "trainaccel": [result(30, 0.5), result(40, 1.0), result(40, 9.0)],
+        "local": [result(50, 0.1), result(100, 0.1), result(200, 0.1)],
+    }
+    summary = summarize(runs)
+    ours = summary["trainaccel"]
+    assert (ours["median"], ours["min"], ours["max"]) == (40, 30, 40)
+    assert ours["ratio_vs_baseline"] == 2.0  # paired per repeat: 3.0, 2.0, 1.0 -> 2.0 (not 40 / 20)
+    assert ours["share_of_local"] == 0.4  # 0.6, 0.4, 0.2
+    assert ours["final_loss"] == 1.0 and ours["peak_memory_bytes"] == 40
 
 
 def test_bench_train_baseline_ignores_trainaccel_env_and_variants_apply_amp(tmp_path):

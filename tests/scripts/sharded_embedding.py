@@ -16,6 +16,7 @@ from trainaccel.embedding import DynamicEmbedding, SparseAdagrad, checkpoint, em
 from trainaccel.embedding.sharded import ShardedEmbeddingCollection
 
 TABLES = {"a": {"dim": 4, "admit_after": 2}, "b": 3}
+SAME_DIMS = {"a": {"dim": 4, "admit_after": 2}, "b": 4}  # rows move as [n, dim] (another code path)
 STEPS, BATCH = 4, 6
 
 
@@ -38,17 +39,18 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks()
     if mode == "train":
-        for sharding in ("row", "table"):
-            collection = ShardedEmbeddingCollection(TABLES, sharding=sharding)
+        for label, sharding, tables in (("row", "row", TABLES), ("table", "table", TABLES), ("row same dims", "row", SAME_DIMS)):
+            collection = ShardedEmbeddingCollection(tables, sharding=sharding)
             sparse = SparseAdagrad(collection, lr=0.5)
             torch.manual_seed(0)
-            dense = DistributedDataParallel(nn.Linear(7, 1))
+            width = sum(collection.dim(n) for n in tables)
+            dense = DistributedDataParallel(nn.Linear(width, 1))
             dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
 
-            reference = {"a": DynamicEmbedding(4, admit_after=2), "b": DynamicEmbedding(3)}
+            reference = {n: DynamicEmbedding(**collection.options[n]) for n in tables}
             ref_sparse = SparseAdagrad(list(reference.values()), lr=0.5)
             torch.manual_seed(0)
-            ref_dense = nn.Linear(7, 1)
+            ref_dense = nn.Linear(width, 1)
             ref_dense_opt = torch.optim.SGD(ref_dense.parameters(), lr=0.1 / world)  # DDP averages, the sum does not
 
             for step in range(STEPS):
@@ -83,21 +85,21 @@ def main() -> None:
             for name, ref in reference.items():
                 keys = ref.keys()
                 got = collection[name](keys)
-                checks.check(f"{sharding} {name}: rows equal the single table's", torch.allclose(got, ref(keys), rtol=1e-5, atol=1e-6))
+                checks.check(f"{label} {name}: rows equal the single table's", torch.allclose(got, ref(keys), rtol=1e-5, atol=1e-6))
                 held = torch.tensor([len(collection.shards[name]) if name in collection.shards else 0])
                 dist.all_reduce(held)
-                checks.check(f"{sharding} {name}: {int(held)} rows held in all, {len(ref)} expected", int(held) == len(ref))
+                checks.check(f"{label} {name}: {int(held)} rows held in all, {len(ref)} expected", int(held) == len(ref))
                 if name in collection.shards:
                     shard = collection.shards[name]
                     owned = collection.owners(name, shard.keys()) == rank
-                    checks.check(f"{sharding} {name}: a rank holds only its own keys", bool(owned.all()))
+                    checks.check(f"{label} {name}: a rank holds only its own keys", bool(owned.all()))
                     ref_state = ref.row_state["sum"][ref._find_rows(shard.keys())]
                     got_state = shard.row_state["sum"][shard._find_rows(shard.keys())]
-                    checks.check(f"{sharding} {name}: Adagrad state equal", torch.allclose(got_state, ref_state, rtol=1e-5, atol=1e-6))
+                    checks.check(f"{label} {name}: Adagrad state equal", torch.allclose(got_state, ref_state, rtol=1e-5, atol=1e-6))
                     pending = shard.export()["pending_keys"] if name == "a" else torch.empty(0)
-                    checks.check(f"{sharding} {name}: pending keys own", bool((collection.owners(name, pending) == rank).all()))
-            checks.check(f"{sharding}: dense replicas agree with the reference", torch.allclose(dense.module.weight, ref_dense.weight, atol=1e-6))
-            if sharding == "row":
+                    checks.check(f"{label} {name}: pending keys own", bool((collection.owners(name, pending) == rank).all()))
+            checks.check(f"{label}: dense replicas agree with the reference", torch.allclose(dense.module.weight, ref_dense.weight, atol=1e-6))
+            if label == "row":
                 checkpoint.save(collection, ckpt)
                 torch.save({n: s.export() for n, s in collection.shards.items()}, f"{ckpt}/truth-{rank}.pt")
     else:

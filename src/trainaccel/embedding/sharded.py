@@ -70,6 +70,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.shards = nn.ModuleDict({name: DynamicEmbedding(**self.options[name]) for name in self.names if self.holds(name)})
         self._exchanges: list[_Exchange] = []
         self.bytes_sent = 0  # to other ranks, keys, rows and gradients: for benchmarks and monitoring
+        self._uniform_dim = len({self.dim(n) for n in self.names}) == 1  # rows move as [n, dim], no flat index
 
     def _place(self, placement: Mapping[str, int] | None) -> dict[str, int]:
         if self.sharding == "row":
@@ -145,15 +146,19 @@ class ShardedEmbeddingCollection(nn.Module):
         for name, keys in zip(names, keys_by_table):
             position = unsort[first : first + keys.numel()]
             first += keys.numel()
-            index = starts[position].unsqueeze(1) + torch.arange(self.dim(name), device=device)
-            out[name] = back[index]
+            if self._uniform_dim:
+                out[name] = back.view(-1, self.dim(name)).index_select(0, position)
+            else:
+                index = starts[position].unsqueeze(1) + torch.arange(self.dim(name), device=device)
+                out[name] = back[index]
         return out
 
     def _gather_local(self, received: torch.Tensor, recv_table: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
         """Flat rows for the received (key, count) pairs, each row dim(table) wide, in received order."""
         widths = dims[recv_table]
         starts = torch.cumsum(widths, 0) - widths
-        flat_index, pieces = [], []
+        dtype = next((s.weight.dtype for s in self.shards.values()), torch.float32)
+        flat = torch.zeros(int(widths.sum()), dtype=dtype, device=received.device)
         for t, name in enumerate(self.names):
             mine = torch.nonzero(recv_table == t).squeeze(1)
             if not mine.numel():
@@ -161,16 +166,13 @@ class ShardedEmbeddingCollection(nn.Module):
             keys, counts = received[mine, 0], received[mine, 1]
             unique, inverse = torch.unique(keys, return_inverse=True)
             total = torch.zeros_like(unique).index_add_(0, inverse, counts)
-            rows = self.shards[name].rows_for(unique, total)
-            pieces.append(rows[inverse].reshape(-1))
-            flat_index.append((starts[mine].unsqueeze(1) + torch.arange(self.dim(name), device=keys.device)).reshape(-1))
-        dtype = next((s.weight.dtype for s in self.shards.values()), torch.float32)
-        total_width = int(widths.sum())
-        if not pieces:
-            return torch.zeros(total_width, dtype=dtype, device=received.device)
-        return torch.zeros(total_width, dtype=pieces[0].dtype, device=received.device).index_put(
-            (torch.cat(flat_index),), torch.cat(pieces)
-        )
+            rows = self.shards[name].rows_for(unique, total).index_select(0, inverse)
+            if self._uniform_dim:  # whole rows in place; out of place, so autograd reaches the shard
+                flat = flat.view(-1, self.dim(name)).index_copy(0, mine, rows).view(-1)
+            else:
+                index = (starts[mine].unsqueeze(1) + torch.arange(self.dim(name), device=keys.device)).reshape(-1)
+                flat = flat.index_put((index,), rows.reshape(-1))
+        return flat
 
     def _all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         if self.world == 1:
