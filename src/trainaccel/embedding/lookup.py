@@ -97,7 +97,7 @@ def to_bags(ids: Ids, weights: Ids | None = None, offsets: torch.Tensor | None =
         if bag.numel() > 1 and bool((bag[1:] < bag[:-1]).any()):
             order = torch.argsort(bag, stable=True)
             bag, values = bag[order], values[order]
-        starts = torch.searchsorted(bag, torch.arange(num_bags, device=bag.device))
+        starts = torch.searchsorted(bag.contiguous(), torch.arange(num_bags, device=bag.device))
         return Bags(values, starts, _weights_like(weights, values, order), num_bags)
     values = check_keys(ids)
     if offsets is None:
