@@ -121,7 +121,7 @@ def test_models_give_one_logit_per_row(name):
     batch = CriteoSynthetic(seed=0, max_rows=100).batch(6)
     assert model(batch.dense, batch.sparse).shape == (6,)
     wrong = RECSYS_MODELS[name](4, baseline_embedding(criteo_cardinalities(100), 4))
-    with pytest.raises(ValueError, match="dim \\+ 1 = 5 columns per feature, got 4"):
+    with pytest.raises(ValueError, match="gave 4 columns per feature; accepted: dim \\+ 1 = 5"):
         wrong(batch.dense, batch.sparse)
 
 
@@ -151,16 +151,16 @@ def test_sgd_with_the_baseline_embedding_learns_the_hidden_labels(model_class):
 
 
 def test_bad_input_is_refused_with_the_accepted_range():
-    with pytest.raises(ValueError, match=r"dim must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"invalid dim 0; accepted: an integer >= 1"):
         DeepFM(0, baseline_embedding([10], 2))
-    with pytest.raises(ValueError, match=r"dim must be an integer >= 1, got -1"):
+    with pytest.raises(ValueError, match=r"invalid dim -1; accepted: an integer >= 1"):
         WideDeep(-1, baseline_embedding([10], 2))
     for alpha in (1.0, 0.5):
-        with pytest.raises(ValueError, match=rf"alpha must be > 1 \(Zipf exponent\), got {alpha}"):
+        with pytest.raises(ValueError, match=rf"invalid alpha {alpha}; accepted: a Zipf exponent > 1"):
             CriteoSynthetic(alpha=alpha)
-    with pytest.raises(ValueError, match=r"batch_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"invalid batch_size 0; accepted: an integer >= 1"):
         CriteoSynthetic().batch(0)
-    with pytest.raises(ValueError, match=r"max_rows must be a positive integer or None, got 0"):
+    with pytest.raises(ValueError, match=r"invalid max_rows 0; accepted: an integer >= 1 or None"):
         CriteoSynthetic(max_rows=0)
-    with pytest.raises(ValueError, match=r"dim_plus_one must be >= 2 .*got 1"):
+    with pytest.raises(ValueError, match=r"invalid dim_plus_one 1; accepted: an integer >= 2"):
         baseline_embedding([10], 1)

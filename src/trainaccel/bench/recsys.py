@@ -32,7 +32,7 @@ _SCRAMBLE = 2_147_483_647  # a prime above every cardinality, so multiplying by 
 def feature_keys(ids: torch.Tensor) -> torch.Tensor:
     """One int64 key per (feature, id), ids int64 [B, F] in [0, 2**48): distinct pairs give distinct keys, never 0."""
     if ids.dtype != torch.int64 or ids.dim() != 2:
-        raise ValueError(f"ids must be int64 [batch, features], got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(f"invalid ids {ids.dtype} {tuple(ids.shape)}; accepted: int64 [batch, features]")
     feature = torch.arange(1, ids.shape[1] + 1, dtype=torch.int64, device=ids.device)
     # (feature + 1) in the top 16 bits keeps the packed word nonzero and unique; the mix is a bijection, so
     # keys collide only if pairs do, and spread over the whole int64 range as a hash table would see them.
@@ -42,7 +42,7 @@ def feature_keys(ids: torch.Tensor) -> torch.Tensor:
 def criteo_cardinalities(max_rows: int | None = None) -> list[int]:
     """The Criteo cardinalities, each capped at `max_rows` (to shrink tables for a benchmark)."""
     if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be a positive integer or None, got {max_rows}")
+        raise ValueError(f"invalid max_rows {max_rows}; accepted: an integer >= 1 or None")
     return [c if max_rows is None else min(c, max_rows) for c in CRITEO_CARDINALITIES]
 
 
@@ -60,9 +60,9 @@ class CriteoSynthetic:
 
     def __init__(self, seed: int = 0, alpha: float = 1.2, max_rows: int | None = None):
         if not alpha > 1:
-            raise ValueError(f"alpha must be > 1 (Zipf exponent), got {alpha}")
+            raise ValueError(f"invalid alpha {alpha}; accepted: a Zipf exponent > 1")
         if seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed}")
+            raise ValueError(f"invalid seed {seed}; accepted: an integer >= 0")
         self.seed, self.alpha = seed, float(alpha)
         self.cardinalities = criteo_cardinalities(max_rows)
         self._card = np.asarray(self.cardinalities, dtype=np.int64)
@@ -101,9 +101,9 @@ class CriteoSynthetic:
     def batch(self, batch_size: int, index: int = 0) -> CriteoBatch:
         """Batch number `index` (the same for the same seed, index and size)."""
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ValueError(f"invalid batch_size {batch_size}; accepted: an integer >= 1")
         if index < 0:
-            raise ValueError(f"index must be a non-negative integer, got {index}")
+            raise ValueError(f"invalid index {index}; accepted: an integer >= 0")
         rng = np.random.default_rng([self.seed, 1, index])
         dense, sparse = self._features(rng, batch_size)
         p = 1 / (1 + np.exp(-(self._scale * self._score(dense, sparse) + self._bias)))
@@ -128,9 +128,9 @@ class _RecsysModel(nn.Module):
     def __init__(self, dim: int, embedding: nn.Module, hidden: Sequence[int]):
         super().__init__()
         if dim < 1:
-            raise ValueError(f"dim must be an integer >= 1, got {dim}")
+            raise ValueError(f"invalid dim {dim}; accepted: an integer >= 1")
         if any(h < 1 for h in hidden):
-            raise ValueError(f"hidden widths must all be >= 1, got {tuple(hidden)}")
+            raise ValueError(f"invalid hidden {tuple(hidden)}; accepted: widths >= 1")
         self.dim, self.embedding = dim, embedding
         self.bias = nn.Parameter(torch.zeros(()))
         self.dense_linear = nn.Linear(NUM_DENSE, 1, bias=False)
@@ -139,7 +139,7 @@ class _RecsysModel(nn.Module):
     def _parts(self, dense: torch.Tensor, sparse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         e = self.embedding(sparse)
         if e.shape[-1] != self.dim + 1:
-            raise ValueError(f"embedding must return dim + 1 = {self.dim + 1} columns per feature, got {e.shape[-1]}")
+            raise ValueError(f"the embedding gave {e.shape[-1]} columns per feature; accepted: dim + 1 = {self.dim + 1}")
         v = e[..., : self.dim]
         wide = self.bias + e[..., self.dim].sum(1) + self.dense_linear(dense).squeeze(-1)
         deep = self.mlp(torch.cat([v.flatten(1), dense], 1)).squeeze(-1)
@@ -176,9 +176,9 @@ class PerFeatureEmbeddingBags(nn.Module):
     def __init__(self, cardinalities: Sequence[int], dim_plus_one: int, init_std: float = 0.01):
         super().__init__()
         if dim_plus_one < 2:
-            raise ValueError(f"dim_plus_one must be >= 2 (dim factor columns + 1 first-order), got {dim_plus_one}")
+            raise ValueError(f"invalid dim_plus_one {dim_plus_one}; accepted: an integer >= 2 (dim factor columns + 1 first-order)")
         if any(c < 1 for c in cardinalities):
-            raise ValueError(f"cardinalities must all be >= 1, got {list(cardinalities)}")
+            raise ValueError(f"invalid cardinalities {list(cardinalities)}; accepted: integers >= 1")
         self.bags = nn.ModuleList(nn.EmbeddingBag(c, dim_plus_one, mode="sum") for c in cardinalities)
         for bag in self.bags:
             # nn.EmbeddingBag's N(0, 1) init makes the FM term of 26 features explode; small weights train.
