@@ -154,3 +154,12 @@ def test_bad_arguments_are_named(kwargs, match):
 def test_non_integer_ids_are_named():
     with pytest.raises(TypeError, match="invalid ids dtype torch.float32"):
         DynamicEmbedding(2)(torch.tensor([1.0]))
+
+
+def test_training_lookups_without_a_step_are_warned_about():
+    table = DynamicEmbedding(2)
+    with pytest.warns(UserWarning, match=r"1024 training lookups .*\(is one attached\?\)"):
+        for _ in range(1024):
+            table(torch.tensor([1]))
+    SparseSGD(table).step()
+    assert table._pending == []

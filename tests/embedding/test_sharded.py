@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_checks
+from conftest import run_checks
 from trainaccel.embedding import SparseAdagrad, checkpoint
 from trainaccel.embedding.sharded import ShardedEmbeddingCollection, row_owner
 

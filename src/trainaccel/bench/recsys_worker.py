@@ -7,7 +7,6 @@ under DDP). Both use Adagrad at the same learning rate.
 
 # No `from __future__ import annotations`: DDP checks hook annotations at runtime (see bench.worker).
 
-import argparse
 import json
 import time
 
@@ -17,7 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.bench.recsys import RECSYS_MODELS, CriteoSynthetic, baseline_embedding, feature_keys
-from trainaccel.bench.worker import _peak_memory_bytes, _timed_bytes_per_step, _bytes_sent, start_process_group
+from trainaccel.bench.worker import (_bytes_sent, _timed_bytes_per_step, arm_arguments, job_peak_memory, start_process_group,
+                                     timed_steps)  # fmt: skip
 from trainaccel.compiler import is_compiled
 
 ARMS = ("baseline", "trainaccel")
@@ -55,15 +55,9 @@ def build(arm: str, model: str, dim: int, data: CriteoSynthetic, device: torch.d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--arm", choices=ARMS, required=True)
-    parser.add_argument("--model", choices=list(RECSYS_MODELS), required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, required=True)
+    parser = arm_arguments(ARMS)
     parser.add_argument("--dim", type=int, required=True)
     parser.add_argument("--max-rows", type=int, required=True)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     device = start_process_group()
@@ -73,28 +67,25 @@ def main() -> None:
     torch.manual_seed(0)
     model, dense_opt, sparse_opt, collection = build(args.arm, args.model, args.dim, data, device)
 
-    started, sent_before, embedding_sent_before = 0.0, 0, 0
-    for step in range(args.steps):
-        if step == args.warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            started = time.perf_counter()
-            sent_before = _bytes_sent(model)
-            embedding_sent_before = collection.bytes_sent if collection is not None else 0
-        dense, sparse, labels = batches[step % len(batches)]
+    def step(i: int) -> torch.Tensor:
+        dense, sparse, labels = batches[i % len(batches)]
         loss = nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)
         dense_opt.zero_grad(set_to_none=True)
         loss.backward()
         dense_opt.step()
         if sparse_opt is not None:
             sparse_opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = torch.tensor(time.perf_counter() - started, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    peak = torch.tensor(float(_peak_memory_bytes(device)), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return loss
+
+    sent_before, embedding_sent_before = 0, 0
+
+    def on_start() -> None:
+        nonlocal sent_before, embedding_sent_before
+        sent_before = _bytes_sent(model)
+        embedding_sent_before = collection.bytes_sent if collection is not None else 0
+
+    elapsed, loss = timed_steps(step, args.steps, args.warmup, device, on_start)
+    peak = job_peak_memory(device)
     rows = torch.tensor(len(collection) if collection is not None else 0, device=device)
     dist.all_reduce(rows)
 
@@ -104,11 +95,11 @@ def main() -> None:
         result = {
             "arm": args.arm,
             "world_size": world,
-            "examples_per_s_per_worker": args.batch_size * timed / float(elapsed),
-            "step_time_s": float(elapsed) / timed,
+            "examples_per_s_per_worker": args.batch_size * timed / elapsed,
+            "step_time_s": elapsed / timed,
             "bytes_per_step": _timed_bytes_per_step(model, sent_before, timed) + embedding_bytes,
             "embedding_bytes_per_step": embedding_bytes,
-            "peak_memory_bytes": int(peak.item()),
+            "peak_memory_bytes": peak,
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),
             "embedding_rows": int(rows) if collection is not None else sum(data.cardinalities),
@@ -119,7 +110,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f)
     time.sleep(0.05)  # release the GIL before Gloo's teardown (see bench.worker)
-    del model, dense_opt, sparse_opt, collection
+    model = dense_opt = sparse_opt = collection = None  # as in bench.worker
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,15 +63,47 @@ def _timed_bytes_per_step(model: DistributedDataParallel, sent_before: int, time
     return (_bytes_sent(model) - sent_before) / timed
 
 
-def main() -> None:
+def arm_arguments(arms: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options every bench worker takes from `trainaccel bench train`."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--arm", choices=arms, required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--image-size", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--out", required=True)
+    return parser
+
+
+def timed_steps(step: Callable[[int], torch.Tensor], steps: int, warmup: int, device: torch.device,
+                on_start: Callable[[], None]) -> tuple[float, torch.Tensor]:  # fmt: skip
+    """Run `step(i)` for each step; returns the slowest worker's seconds after `warmup` steps, and the last loss."""
+    started = 0.0
+    for i in range(steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            started = time.perf_counter()
+            on_start()
+        loss = step(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor(time.perf_counter() - started, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
+    return float(elapsed), loss
+
+
+def job_peak_memory(device: torch.device) -> int:
+    """The largest peak memory over the workers."""
+    peak = torch.tensor(float(_peak_memory_bytes(device)), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def main() -> None:
+    parser = arm_arguments(ARMS)
+    parser.add_argument("--image-size", type=int, required=True)
     args = parser.parse_args()
 
     device = start_process_group()
@@ -85,34 +118,31 @@ def main() -> None:
     x = torch.randn(args.batch_size, *spec.example_shape(args.image_size), generator=g).to(device)
     y = torch.randint(0, spec.num_classes, (args.batch_size,), generator=g).to(device)
 
-    started, sent_before = 0.0, 0
-    for step in range(args.steps):
-        if step == args.warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            started = time.perf_counter()
-            sent_before = _bytes_sent(model)
+    def step(_: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = torch.tensor(time.perf_counter() - started, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
-    peak = torch.tensor(float(_peak_memory_bytes(device)), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return loss
+
+    sent_before = 0
+
+    def on_start() -> None:
+        nonlocal sent_before
+        sent_before = _bytes_sent(model)
+
+    elapsed, loss = timed_steps(step, args.steps, args.warmup, device, on_start)
+    peak = job_peak_memory(device)
 
     if rank == 0:
         timed = args.steps - args.warmup
         result = {
             "arm": args.arm,
             "world_size": world,
-            "examples_per_s_per_worker": args.batch_size * timed / float(elapsed),
-            "step_time_s": float(elapsed) / timed,
+            "examples_per_s_per_worker": args.batch_size * timed / elapsed,
+            "step_time_s": elapsed / timed,
             "bytes_per_step": 0.0 if args.arm == "local" else _timed_bytes_per_step(model, sent_before, timed),
-            "peak_memory_bytes": int(peak.item()),
+            "peak_memory_bytes": peak,
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),
             "final_loss": loss.item(),
@@ -125,7 +155,7 @@ def main() -> None:
     # destroying the group (here, or by the DDP model's reducer on return) holds the GIL and waits
     # for that thread's lock. Releasing the GIL first avoids the deadlock (torch 2.13, Gloo).
     time.sleep(0.05)
-    del model, optimizer
+    model = optimizer = None  # drops them (and the closures' references) before the group goes
     dist.destroy_process_group()
 
 

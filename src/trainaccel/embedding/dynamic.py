@@ -7,7 +7,8 @@ A row's optimizer state lives beside it and is created, evicted and exported wit
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from trainaccel.embedding import initializers
 from trainaccel.embedding.hashing import PENDING, KeyIndex
 
 _INT32_MAX = 2**31 - 1
+_PENDING_WARNING = 1024  # training lookups held for a step that may never come
 _INDEX_LOAD = 0.35  # the index is sized for this load up front and grows when it passes 0.7
 _NAMES = {"keys", "weight", "counts", "last_seen", "pending_keys", "pending_counts", "pending_last_seen", "step"}
 
@@ -119,6 +121,13 @@ class DynamicEmbedding(nn.Module):
         if training:
             values.requires_grad_(True)
             self._pending.append((rows, values))
+            if len(self._pending) == _PENDING_WARNING:
+                warnings.warn(
+                    f"{_PENDING_WARNING} training lookups of this DynamicEmbedding since the last sparse optimizer step; "
+                    "only a sparse optimizer's step() trains and releases them (is one attached?). "
+                    "Lookups that should not train belong under eval() or torch.no_grad().",
+                    stacklevel=2,
+                )
         return values
 
     def _find_rows(self, keys: torch.Tensor) -> torch.Tensor:
@@ -327,11 +336,3 @@ class DynamicEmbedding(nn.Module):
         self.index.apply(fn)
         return super()._apply(fn, recurse)
 
-
-def dynamic_tables(module: nn.Module | DynamicEmbedding | list) -> Iterator[DynamicEmbedding]:
-    """The DynamicEmbedding tables in a module tree (or a list of tables/modules)."""
-    items = module if isinstance(module, (list, tuple)) else [module]
-    for item in items:
-        for m in item.modules():
-            if isinstance(m, DynamicEmbedding):
-                yield m
