@@ -58,14 +58,11 @@ class SparseOptimizer:
         for collection in self._sharded:  # gradients travel back to the ranks that own the rows
             collection.exchange_gradients()
         with torch.no_grad():
-            self._update_tables()
-
-    def _update_tables(self) -> None:
-        for table in self.tables:
-            rows, grad = table.take_gradients()
-            if rows.numel():
-                self.update(table, rows, grad.to(table.weight.dtype))
-            table.end_step()
+            for table in self.tables:
+                rows, grad = table.take_gradients()
+                if rows.numel():
+                    self.update(table, rows, grad.to(table.weight.dtype))
+                table.end_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to clear: each step consumes the gradients of the lookups made since the last one."""
