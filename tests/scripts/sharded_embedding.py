@@ -5,6 +5,7 @@ Usage: sharded_embedding.py OUT_DIR train CKPT_DIR   (train both shardings, chec
 """
 
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks()
     if mode == "train":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DynamicEmbedding(2)(torch.tensor([1])).sum().backward()  # a plain table: each worker its own copy
+            replicated = [str(w.message) for w in caught]
+            ShardedEmbeddingCollection({"c": 2})({"c": torch.tensor([[1]])})  # shards: no warning
+        checks.check(f"a plain table warns once: {replicated}", len(replicated) == 1 and "each worker trains its own copy" in replicated[0])
+        checks.check(f"shards do not warn: {[str(w.message) for w in caught]}", len(caught) == 1)
         for label, sharding, tables in (("row", "row", TABLES), ("table", "table", TABLES), ("row same dims", "row", SAME_DIMS)):
             collection = ShardedEmbeddingCollection(tables, sharding=sharding)
             sparse = SparseAdagrad(collection, lr=0.5)

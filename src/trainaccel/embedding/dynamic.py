@@ -40,6 +40,18 @@ def check_keys(ids: torch.Tensor, what: str = "ids") -> torch.Tensor:
     return ids.to(torch.int64)
 
 
+def _warn_if_replicated(table: DynamicEmbedding) -> None:
+    """A plain table in a multi-worker job is trained separately by each worker: say so once."""
+    import torch.distributed as dist
+
+    if not table.is_shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            "a DynamicEmbedding is being trained in a job of several workers: nothing synchronizes it, so each "
+            "worker trains its own copy. Use ShardedEmbeddingCollection (or get_variable) to share one table.",
+            stacklevel=4,
+        )
+
+
 class DynamicEmbedding(nn.Module):
     """An embedding table keyed by any int64 values, with admission, eviction and per-row optimizer state."""
 
@@ -79,6 +91,8 @@ class DynamicEmbedding(nn.Module):
         self.step = 0  # advanced by the sparse optimizer at each step; TTL counts these
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, looked-up leaf) awaiting a step
         self._unclaimed_state: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None  # loaded before its optimizer
+        self.is_shard = False  # set by ShardedEmbeddingCollection on the shards it holds
+        self._checked_job = False
 
     def _counters(self) -> tuple[str, ...]:
         """Per-key int32 counters the rules need: counts for admission and LFU, last_seen for TTL and LFU."""
@@ -135,6 +149,9 @@ class DynamicEmbedding(nn.Module):
         return torch.where(found, self.index.rows[slot], -1).to(torch.int64)
 
     def _admit(self, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        if not self._checked_job:
+            self._checked_job = True
+            _warn_if_replicated(self)
         index = self.index
         slot, _ = index.lookup_or_insert(keys)
         rows = index.rows[slot].to(torch.int64)

@@ -68,6 +68,8 @@ class ShardedEmbeddingCollection(nn.Module):
         self.world = dist.get_world_size(process_group) if distributed else 1
         self.placement = self._place(placement)
         self.shards = nn.ModuleDict({name: DynamicEmbedding(**self.options[name]) for name in self.names if self.holds(name)})
+        for shard in self.shards.values():
+            shard.is_shard = True
         self._exchanges: list[_Exchange] = []
         self.bytes_sent = 0  # to other ranks, keys, rows and gradients: for benchmarks and monitoring
         self._uniform_dim = len({self.dim(n) for n in self.names}) == 1  # rows move as [n, dim], no flat index
