@@ -11,7 +11,7 @@ from typing import Any
 from trainaccel.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__", "compile", "init"]
+__all__ = ["Config", "ConfigError", "__version__", "compile", "convert_sync_batchnorm", "init"]
 
 
 def init(*, start_process_group: bool = True, **options: Any) -> Config:
@@ -26,3 +26,10 @@ def compile(model: Any, preset: str = "default", **options: Any) -> Any:  # noqa
     from trainaccel.compiler import compile as _compile
 
     return _compile(model, preset, **options)
+
+
+def convert_sync_batchnorm(module: Any, scope: str = "global", process_group: Any = None) -> Any:
+    """BatchNorm layers -> SyncBatchNorm over every worker or this node's (see `trainaccel.batchnorm`)."""
+    from trainaccel.batchnorm import convert_sync_batchnorm as _convert
+
+    return _convert(module, scope, process_group)
