@@ -188,6 +188,11 @@ class Config:
         _choice("off", "warn", "raise", booleans=("raise", "off")),
         "check reduced gradients for NaN/Inf: off, warn (log the parameters) or raise",
     )
+    metrics_every: int = _option(
+        0,
+        _number(int, 0, float("inf")),
+        "log throughput, step time (data wait vs compute) and peak memory every N training steps on rank 0 (0: off)",
+    )
     log_level: str = _option(
         "info",
         _choice("debug", "info", "warning", "error"),

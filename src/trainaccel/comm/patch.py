@@ -178,6 +178,10 @@ def patch_ddp(config: Config) -> None:
             from trainaccel.amp.ddp import enable_amp
 
             enable_amp(self, config)
+        if config is not None and config.metrics_every:
+            from trainaccel.monitor.ddp import attach_meter
+
+            attach_meter(self, config)
         if config is not None and hasattr(self, "reducer"):
             # Registered at the first forward, so a script that registers its own hook after
             # building the model keeps it (DDP accepts only one hook per model).
