@@ -7,6 +7,7 @@ in-process over the joined batches of the ranks in its scope. Usage: sync_bn_sco
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,10 @@ def main() -> None:
     checks.raises("bad scope", lambda: convert_sync_batchnorm(nn.BatchNorm1d(2), scope="rack"), ValueError,
                   "invalid scope 'rack'; accepted: global, node")  # fmt: skip
     checks.write(out_dir, rank)
+    # As in bench.worker: let Gloo's threads finish with the last collectives (they need the GIL)
+    # before the groups, node groups included, are torn down.
+    dist.barrier()
+    time.sleep(0.05)
     dist.destroy_process_group()
 
 
