@@ -106,3 +106,10 @@ def test_get_variable_is_created_once_and_looks_up_like_a_table():
     optimizer.step()
     var.eval()
     torch.testing.assert_close(var(torch.tensor([10, 2**60])), torch.full((2, 4), -1.0))  # Adagrad's first step is lr
+
+
+def test_a_bad_combiner_is_named_before_the_collection_changes():
+    collection = ShardedEmbeddingCollection({"a": 2})
+    with pytest.raises(ValueError, match="invalid combiner 'max'"):
+        collection({"a": torch.empty(0, dtype=torch.int64)}, offsets={"a": torch.zeros(2, dtype=torch.int64)}, combiner="max")
+    assert len(collection) == 0 and collection._exchanges == []

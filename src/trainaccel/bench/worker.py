@@ -9,7 +9,6 @@ local (no gradient exchange: DDP whose hook communicates nothing, the compute-on
 import argparse
 import json
 import os
-import resource
 import time
 from typing import Callable
 
@@ -22,6 +21,7 @@ from trainaccel.amp import scaled
 from trainaccel.bench.models import get_model
 from trainaccel.comm import bytes_per_step, comm_state
 from trainaccel.compiler import is_compiled
+from trainaccel.monitor.metrics import peak_memory_bytes
 
 ARMS = ("baseline", "trainaccel", "local")
 
@@ -42,12 +42,6 @@ def start_process_group() -> torch.device:
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
-
-
-def _peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _bytes_sent(model: DistributedDataParallel) -> int:
@@ -96,7 +90,7 @@ def timed_steps(step: Callable[[int], torch.Tensor], steps: int, warmup: int, de
 
 def job_peak_memory(device: torch.device) -> int:
     """The largest peak memory over the workers."""
-    peak = torch.tensor(float(_peak_memory_bytes(device)), device=device)
+    peak = torch.tensor(float(peak_memory_bytes(device)), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
 

@@ -115,6 +115,11 @@ def to_bags(ids: Ids, weights: Ids | None = None, offsets: torch.Tensor | None =
     return Bags(values, offsets, _weights_like(weights, values), offsets.numel())
 
 
+def check_combiner(combiner: str) -> None:
+    if combiner not in COMBINERS:
+        raise ValueError(f"invalid combiner {combiner!r}; accepted: {', '.join(COMBINERS)}")
+
+
 def _bag_index(bags: Bags) -> torch.Tensor:
     """The bag of each id."""
     n = bags.values.numel()
@@ -125,8 +130,7 @@ def _bag_index(bags: Bags) -> torch.Tensor:
 
 def combiner_weights(bags: Bags, combiner: str, dtype: torch.dtype) -> torch.Tensor | None:
     """Per-id weights that turn a weighted sum into `combiner` (mean: w/sum w, sqrtn: w/sqrt(sum w^2))."""
-    if combiner not in COMBINERS:
-        raise ValueError(f"invalid combiner {combiner!r}; accepted: {', '.join(COMBINERS)}")
+    check_combiner(combiner)
     w = bags.weights
     if combiner == "sum":
         return None if w is None else w.to(dtype)
@@ -149,8 +153,7 @@ def embedding_lookup_sparse(
     offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pooled embeddings [B, dim] of bags of ids from a DynamicEmbedding, sharded table, nn.Embedding or weight."""
-    if combiner not in COMBINERS:
-        raise ValueError(f"invalid combiner {combiner!r}; accepted: {', '.join(COMBINERS)}")
+    check_combiner(combiner)  # before any lookup changes a table
     bags = to_bags(ids, weights, offsets)
     if hasattr(table, "rows_for"):
         unique, inverse, counts = torch.unique(bags.values, return_inverse=True, return_counts=True)
@@ -165,7 +168,12 @@ def embedding_lookup_sparse(
         index = bags.values
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows.shape[0]):
             raise ValueError(f"invalid ids: outside [0, {rows.shape[0]}) for a table of {rows.shape[0]} rows")
+    return pool(bags, rows, index, combiner)
+
+
+def pool(bags: Bags, rows: torch.Tensor, index: torch.Tensor, combiner: str) -> torch.Tensor:
+    """[B, dim]: bag b combines rows[index[i]] over its ids i; an empty bag gives zeros."""
+    scale = combiner_weights(bags, combiner, rows.dtype)
     if bags.values.numel() == 0:
         return rows.new_zeros(bags.num_bags, rows.shape[1])
-    scale = combiner_weights(bags, combiner, rows.dtype)
     return F.embedding_bag(index, rows, bags.offsets, mode="sum", per_sample_weights=scale)

@@ -194,22 +194,16 @@ class ShardedEmbeddingCollection(nn.Module):
         combiner: str = "sum",
     ) -> dict[str, torch.Tensor]:
         """Pooled [B, dim] per table from bags of ids in any `embedding_lookup_sparse` layout."""
-        from trainaccel.embedding.lookup import combiner_weights, to_bags
+        from trainaccel.embedding.lookup import check_combiner, pool, to_bags
 
+        check_combiner(combiner)  # before the exchange changes any table
         unknown = [n for n in features if n not in self.options]
         if unknown:
             raise KeyError(f"no tables {unknown}; tables: {', '.join(self.names)}")
         bags = {n: to_bags(ids, (weights or {}).get(n), (offsets or {}).get(n)) for n, ids in features.items()}
         uniques = {n: torch.unique(b.values, return_inverse=True, return_counts=True) for n, b in bags.items()}
         rows = self.rows({n: u[0] for n, u in uniques.items()}, {n: u[2] for n, u in uniques.items()})
-        out = {}
-        for name, b in bags.items():
-            if b.values.numel() == 0:
-                out[name] = rows[name].new_zeros(b.num_bags, self.dim(name))
-                continue
-            scale = combiner_weights(b, combiner, rows[name].dtype)
-            out[name] = nn.functional.embedding_bag(uniques[name][1], rows[name], b.offsets, mode="sum", per_sample_weights=scale)
-        return out
+        return {name: pool(b, rows[name], uniques[name][1], combiner) for name, b in bags.items()}
 
     # -- training --------------------------------------------------------------------------
 
