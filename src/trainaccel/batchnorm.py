@@ -121,8 +121,7 @@ def _convert(module: nn.Module, group: dist.ProcessGroup | None) -> nn.Module:
     if isinstance(module, _BatchNorm) and (type(module) is nn.SyncBatchNorm or not isinstance(module, nn.SyncBatchNorm)):
         out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, group)
         if module.affine:
-            with torch.no_grad():
-                out.weight, out.bias = module.weight, module.bias
+            out.weight, out.bias = module.weight, module.bias  # the same Parameters, not copies
         out.running_mean, out.running_var = module.running_mean, module.running_var
         out.num_batches_tracked = module.num_batches_tracked
         out.training = module.training
