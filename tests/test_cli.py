@@ -1,6 +1,7 @@
 import json
 import sys
 
+import pytest
 import torch
 
 from conftest import run, trainaccel_cmd
@@ -68,3 +69,14 @@ def test_commands_start_without_the_data_extra(tmp_path):
     assert run([sys.executable, script, "demo", "--help"]).returncode == 0
     proc = run([sys.executable, script, "pack", "imagefolder", tmp_path, tmp_path / "out"])
     assert proc.returncode == 2 and "pip install 'trainaccel[data]'" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["run"], ["info"], ["demo"], ["bench", "train"], ["bench", "comm"], ["bench", "data"],
+                                     ["bench", "embedding"], ["pack", "imagefolder"]])  # fmt: skip
+def test_every_command_prints_its_help(command, capsys):
+    from trainaccel.cli import main
+    from trainaccel.launch.run import main as run_main
+
+    with pytest.raises(SystemExit) as exit_:
+        (run_main(["--help"]) if command == ["run"] else main([*command, "--help"]))
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out

@@ -59,6 +59,17 @@ def _positive_float_or_unset(name: str, raw: Any) -> float | None:
 _positive_float_or_unset.accepted = "a number > 0 (MiB)"  # type: ignore[attr-defined]
 
 
+def _path_or_unset(name: str, raw: Any) -> str | None:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return None
+    if not isinstance(raw, (str, os.PathLike)):
+        raise ConfigError(name, raw, _path_or_unset.accepted)  # type: ignore[attr-defined]
+    return os.fspath(raw)
+
+
+_path_or_unset.accepted = "a file path (empty: off)"  # type: ignore[attr-defined]
+
+
 def _number(kind: type, low: float, high: float, *, low_open: bool = False) -> Callable[[str, Any], Any]:
     """Parser for an int or float in [low, high] (or (low, high] with `low_open`)."""
 
@@ -192,6 +203,27 @@ class Config:
         0,
         _number(int, 0, float("inf")),
         "log throughput, step time (data wait vs compute) and peak memory every N training steps on rank 0 (0: off)",
+    )
+    straggler_every: int = _option(
+        0,
+        _number(int, 0, float("inf")),
+        "every N training steps, compare the workers' own step times and name those slower than the median (0: off)",
+    )
+    straggler_threshold: float = _option(
+        0.2,
+        _number(float, 0.0, float("inf"), low_open=True),
+        "how much slower than the median a worker's own step time must be to be named (0.2: 20 percent)",
+    )
+    timeline: str | None = _option(
+        None,
+        _path_or_unset,
+        "write a Chrome-trace timeline of training steps and bucket communication to this file on rank 0",
+    )
+    collective_timeout: float = _option(
+        300.0,
+        _number(float, 0.0, float("inf"), low_open=True),
+        "seconds a collective may wait for its peers before the job fails naming the cause "
+        "(torch's default is 1800); applies to process groups started without an explicit timeout",
     )
     log_level: str = _option(
         "info",

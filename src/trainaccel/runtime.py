@@ -31,6 +31,10 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     mapped = map_mpi_env()
     config = Config.resolve(**options)
     _configure_logging(config.log_level)
+    from trainaccel.comm.failfast import set_collective_timeout
+
+    set_collective_timeout(config.collective_timeout)
+    _explain_uncaught_failures()
     if start_process_group:
         _start_process_group(mapped)
 
@@ -44,6 +48,22 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
             for name in Config.unknown_env():
                 log.warning("ignoring %s: not a trainaccel option (known: %s)", name, ", ".join(Config.option_names()))
     return config
+
+
+def _explain_uncaught_failures() -> None:
+    """A collective failure that ends the script also says which peers were missing (once installed)."""
+    if getattr(sys.excepthook, "_trainaccel", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind: type, error: BaseException, tb: Any) -> None:
+        from trainaccel.comm.failfast import annotate
+
+        annotate(error)
+        previous(kind, error, tb)
+
+    excepthook._trainaccel = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
 
 
 def _rank() -> int:

@@ -8,12 +8,14 @@ from trainaccel.bench.recsys import criteo_cardinalities
 MLP_PARAMETERS = 18_834_408
 
 
-def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
+def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_options(tmp_path):
+    # One run for both concerns (each arm is a 2-worker job): the report's shape, and the options each arm sees.
     out = tmp_path / "bench.json"
     proc = run(
         [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "1",
-         "--batch-size", "4", "--compression", "fp16", "--json", out, "--plot", tmp_path / "arms.png"],
-        env={"COLUMNS": "200"},
+         "--batch-size", "4", "--arms", "baseline,local", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
+         "--variant", "fast:amp=bf16", "--json", out, "--plot", tmp_path / "arms.png"],
+        env={"COLUMNS": "200", "TRAINACCEL_COMPRESSION": "bf16"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bench train mlp" in proc.stdout and "vs baseline" in proc.stdout
@@ -22,17 +24,23 @@ def test_bench_train_tiny_run_writes_well_formed_json(tmp_path):
     assert report["benchmark"] == "train" and report["command"][:3] == ["trainaccel", "bench", "train"]
     assert report["settings"]["repeats"] == 1 and report["machine"]["cpus"] >= 1
     arms = report["arms"]
-    assert list(arms) == ["baseline", "trainaccel", "local"]
+    assert sorted(arms) == ["baseline", "fast", "local", "sparse"]
     for arm in arms.values():
         assert len(arm["examples_per_s_per_worker"]) == 1
         assert 0 < arm["min"] <= arm["median"] <= arm["max"]
         assert arm["ratio_vs_baseline"] > 0 and arm["peak_memory_bytes"] > 0
         assert arm["parameters"] == MLP_PARAMETERS
     assert arms["baseline"]["ratio_vs_baseline"] == 1.0
+    assert [arms[a]["amp"] for a in ("baseline", "sparse", "fast")] == [None, None, "bfloat16"]
+    assert not any(arm["compiled"] for arm in arms.values())
+    # Plain DDP, untouched by the env's compression=bf16, which reaches the trainaccel arms.
     assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4 and arms["baseline"]["comm_hook"] is None
-    assert arms["trainaccel"]["bytes_per_step"] == MLP_PARAMETERS * 2
-    assert arms["trainaccel"]["comm_hook"] == "trainaccel_comm_hook"
+    assert arms["fast"]["bytes_per_step"] == MLP_PARAMETERS * 2
+    assert arms["fast"]["comm_hook"] == "trainaccel_comm_hook"
     assert arms["local"]["bytes_per_step"] == 0 and arms["local"]["comm_hook"] == "no_communication"
+    # The variant's flags beat the env; randomk sends every 4th element of each bucket.
+    assert abs(arms["sparse"]["bytes_per_step"] - MLP_PARAMETERS) <= 16
+    assert report["arm_options"]["sparse"] == {"compression": "randomk", "compression_ratio": "0.25"}
 
 
 def test_summaries_pair_each_repeat_with_the_baselines_and_take_medians():
@@ -53,27 +61,6 @@ def test_summaries_pair_each_repeat_with_the_baselines_and_take_medians():
     assert ours["ratio_vs_baseline"] == 2.0  # paired per repeat: 3.0, 2.0, 1.0 -> 2.0 (not 40 / 20)
     assert ours["share_of_local"] == 0.4  # 0.6, 0.4, 0.2
     assert ours["final_loss"] == 1.0 and ours["peak_memory_bytes"] == 40
-
-
-def test_bench_train_baseline_ignores_trainaccel_env_and_variants_apply_amp(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = run(
-        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "2", "--repeats", "1",
-         "--batch-size", "2", "--arms", "baseline", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
-         "--variant", "fast:amp=bf16", "--json", out],
-        env={"TRAINACCEL_COMPRESSION": "bf16"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
-    arms = report["arms"]
-    assert list(arms) == ["baseline", "sparse", "fast"]
-    assert [arms[a]["amp"] for a in arms] == [None, None, "bfloat16"]
-    assert [arms[a]["compiled"] for a in arms] == [False] * 3
-    assert arms["baseline"]["bytes_per_step"] == MLP_PARAMETERS * 4  # plain DDP, untouched by the env
-    assert arms["fast"]["bytes_per_step"] == MLP_PARAMETERS * 2  # compression=bf16 from the env
-    # The variant's flags beat the env; randomk sends every 4th element of each bucket.
-    assert abs(arms["sparse"]["bytes_per_step"] - MLP_PARAMETERS) <= 16
-    assert report["arm_options"]["sparse"] == {"compression": "randomk", "compression_ratio": "0.25"}
 
 
 def test_bench_train_rejects_bad_arguments(capsys):

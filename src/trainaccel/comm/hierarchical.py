@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -18,6 +19,7 @@ from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression
 from trainaccel.comm.exchange import all_gather_single, exchange, reduce_scatter_single
 from trainaccel.comm.exit_guard import track
 from trainaccel.comm.topology import Topology
+from trainaccel.monitor import timeline
 
 Stage = Callable[[Any], Any]
 
@@ -103,9 +105,9 @@ class HierarchicalReduce:
 
     def _submit_chunk(self, part: torch.Tensor, key: Any) -> torch.futures.Future[torch.Tensor]:
         stages = [
-            lambda b: self._sum_in_node(b, key),
-            lambda shard: self._sum_across_nodes(shard, key),
-            lambda shard: self._gather_in_node(shard, part),
+            traced("intra-node reduce", key, lambda b: self._sum_in_node(b, key)),
+            lambda shard: self._sum_across_nodes(shard, key),  # traced by `exchange`
+            traced("intra-node gather", key, lambda shard: self._gather_in_node(shard, part)),
         ]
         return self._pipeline.submit(stages, part)
 
@@ -128,7 +130,8 @@ class HierarchicalReduce:
 
     def _sum_across_nodes(self, shard: torch.Tensor, key: Any) -> torch.Tensor:
         out = shard if self.feedback is not None else None  # folded into the residual: free to reuse
-        fut, sent = exchange(self.codec, self.feedback, shard, key, self.topology.inter_group, out=out)
+        fut, sent = exchange(self.codec, self.feedback, shard, key, self.topology.inter_group, out=out,
+                             span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather")
         self.bytes_sent += sent
         return fut.wait()
 
@@ -139,3 +142,19 @@ class HierarchicalReduce:
         self.intra_bytes_sent += payload.numel() * payload.element_size()
         result = self.intra_codec.decompress(gathered, ctx)[: buffer.numel()]
         return buffer if result.data_ptr() == buffer.data_ptr() else buffer.copy_(result)
+
+
+def traced(name: str, key: Any, stage: Stage) -> Stage:
+    """`stage`, recorded as a span on `key`'s track when a timeline is open."""
+
+    def run(value: Any) -> Any:
+        trace = timeline.current()
+        if trace is None:
+            return stage(value)
+        start = time.perf_counter()
+        try:
+            return stage(value)
+        finally:
+            trace.span(name, start, time.perf_counter(), timeline.bucket_track(key))
+
+    return run

@@ -4,6 +4,7 @@
 
 import dataclasses
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,11 +12,28 @@ import torch.distributed as dist
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import exchange
 from trainaccel.comm.exit_guard import track
-from trainaccel.comm.hierarchical import HierarchicalReduce, StagedPipeline
+from trainaccel.comm.hierarchical import HierarchicalReduce, StagedPipeline, traced
 from trainaccel.comm.powersgd import PowerSGDState, powersgd_reduce
 
 log = logging.getLogger("trainaccel")
 
+
+@dataclasses.dataclass
+class CommWait:
+    """This worker's wait for its peers in one step: from its last bucket ready to its reductions done."""
+
+    ready: float | None = None  # when the step's last bucket reached the hook: local work done
+    done: float | None = None  # when the latest of the step's reductions completed
+
+    def take(self) -> float:
+        """The last step's wait in seconds (0 if none was seen), and forget it."""
+        wait = self.done - self.ready if self.ready is not None and self.done is not None else 0.0
+        self.ready = self.done = None
+        return max(0.0, wait)
+
+    def mark_done(self, fut: torch.futures.Future) -> torch.Tensor:
+        self.done = time.perf_counter()
+        return fut.value()
 
 
 @dataclasses.dataclass
@@ -40,6 +58,7 @@ class CommState:
     # no check): DDP's own C++ allreduce runs instead of this hook, with no Python per bucket.
     builtin: bool = False
     dense_bytes_per_step: int = 0  # what that allreduce sends per step
+    comm_wait: CommWait | None = None  # measured for straggler detection
 
     @property
     def hierarchical(self) -> bool:
@@ -62,8 +81,10 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     if bucket.is_last():
         state.steps += 1
+        if state.comm_wait is not None:
+            state.comm_wait.ready = time.perf_counter()
     if state.powersgd is not None:
-        fut = state.pipeline.submit([lambda b: _powersgd_bucket(state, b)], bucket)
+        fut = state.pipeline.submit([traced("powersgd", bucket.index(), lambda b: _powersgd_bucket(state, b))], bucket)
     else:
         # Dividing before the reduction keeps fp16 sums from overflowing.
         buffer, world = bucket.buffer(), dist.get_world_size(group)
@@ -74,6 +95,8 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
             out = buffer if state.feedback is not None else None
             fut, sent = exchange(state.codec, state.feedback, buffer, bucket.index(), group, 1.0 / world, out)
             state.flat_bytes_sent += sent
+    if state.comm_wait is not None:
+        fut = fut.then(track(state.comm_wait.mark_done))
     if state.nan_check == "off":
         return fut
 

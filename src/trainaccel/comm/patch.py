@@ -11,14 +11,16 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trainaccel.comm import failfast
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
-from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
+from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook
 from trainaccel.comm.powersgd import powersgd_state
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
+from trainaccel.monitor import timeline
 
 log = logging.getLogger("trainaccel")
 
@@ -38,13 +40,22 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     elif options:
         config = dataclasses.replace(config, **options)
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    failfast.start_heartbeat()
+    ddp_model.register_forward_pre_hook(failfast.count_step)
+    if config.timeline is not None:
+        timeline.start(config.timeline, dist.get_rank())
+    comm_wait = CommWait() if config.straggler_every else None
+    if config.straggler_every or config.timeline is not None:
+        from trainaccel.monitor.ddp import watch_steps
+
+        watch_steps(ddp_model, config, comm_wait)
     if config.autotune == "on":
-        tuner = build_autotuner(ddp_model.process_group, config, param_names)
+        tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait)
         ddp_model.register_comm_hook(tuner, autotune_comm_hook)
         ddp_model.trainaccel_state = tuner
         return tuner
-    state = build_state(ddp_model.process_group, config, param_names)
-    if _nothing_to_add(state):
+    state = build_state(ddp_model.process_group, config, param_names, comm_wait)
+    if _nothing_to_add(state, config):
         # A Python hook costs a few percent over DDP's C++ allreduce; with nothing to add, use that.
         state.builtin = True
         state.dense_bytes_per_step = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
@@ -56,21 +67,24 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     return state
 
 
-def _nothing_to_add(state: CommState) -> bool:
+def _nothing_to_add(state: CommState, config: Config) -> bool:
     return (
         isinstance(state.codec, NoCompression)
         and state.hierarchy is None
         and state.powersgd is None
         and state.nan_check == "off"
+        and state.comm_wait is None
+        and config.timeline is None  # a timeline on rank 0 needs the hook on every rank: the same reduction
     )
 
 
-def build_autotuner(process_group: Any, config: Config, param_names: dict[int, str]) -> Autotuner:
+def build_autotuner(process_group: Any, config: Config, param_names: dict[int, str],
+                    comm_wait: CommWait | None = None) -> Autotuner:  # fmt: skip
     """An Autotuner over the candidate reductions for `config` (see `trainaccel.comm.autotune`)."""
     multi_node = config.hierarchical != "off" and discover(process_group).why_flat() is None
     candidates = []
     for label, candidate_config, chunk_mb in candidate_configs(config, multi_node):
-        state = build_state(process_group, candidate_config, param_names)
+        state = build_state(process_group, candidate_config, param_names, comm_wait)
         if chunk_mb is not None and state.hierarchy is not None:
             state.hierarchy.chunk_mb = chunk_mb
         candidates.append(Candidate(label, state, warmup_steps(candidate_config)))
@@ -85,10 +99,11 @@ def build_autotuner(process_group: Any, config: Config, param_names: dict[int, s
 DENSE_CODECS = ("none", "fp16", "bf16")
 
 
-def build_state(process_group: Any, config: Config, param_names: dict[int, str] | None = None) -> CommState:
+def build_state(process_group: Any, config: Config, param_names: dict[int, str] | None = None,
+                comm_wait: CommWait | None = None) -> CommState:  # fmt: skip
     """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies."""
     state = CommState(process_group=process_group, codec=NoCompression(), nan_check=config.nan_check,
-                      param_names=param_names or {})  # fmt: skip
+                      param_names=param_names or {}, comm_wait=comm_wait)  # fmt: skip
     if config.compression == "powersgd":
         state.powersgd = powersgd_state(process_group, config.powersgd_rank)
         if config.hierarchical == "on":
@@ -211,6 +226,9 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
     existing = ddp_model._get_ddp_logging_data().get("comm_hook")
     if existing:
         log.info("keeping the communication hook %s registered by the script", existing)
+        if config.straggler_every or config.timeline is not None:
+            _warn_once("straggler_every and timeline need trainaccel's communication hook: off for this model, "
+                       f"which keeps the script's hook {existing}")  # fmt: skip
         guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
         return
     if config.local_steps > 1 and not hasattr(ddp_model, "_trainaccel_local_steps"):
@@ -220,3 +238,4 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
             "the script's optimizer steps)"
         )
     register(ddp_model, config)
+    failfast.count_step(ddp_model, inputs)  # registered too late to see this forward, which is a step too

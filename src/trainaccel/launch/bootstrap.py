@@ -30,12 +30,18 @@ def _run(argv: list[str]) -> None:
     # The script starts its own process group, as it does under plain torchrun.
     trainaccel.init(start_process_group=False)
     sys.argv = [target, *rest]
-    if as_module:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        # As `python script.py` would: the script's folder first on the import path.
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            # As `python script.py` would: the script's folder first on the import path.
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except Exception as error:
+        from trainaccel.comm.failfast import annotate
+
+        annotate(error)  # the missing peers, shown with the traceback and in torchrun's failure report
+        raise
 
 
 if __name__ == "__main__":

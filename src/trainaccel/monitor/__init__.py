@@ -1,5 +1,6 @@
-"""Operations: step metrics (throughput, data wait vs compute, peak memory)."""
+"""Operations: step metrics, straggler detection and the timeline."""
 
 from trainaccel.monitor.metrics import StepMeter, StepRecord, peak_memory_bytes
+from trainaccel.monitor.straggler import Straggler, StragglerDetector, StragglerReport
 
-__all__ = ["StepMeter", "StepRecord", "peak_memory_bytes"]
+__all__ = ["StepMeter", "StepRecord", "Straggler", "StragglerDetector", "StragglerReport", "peak_memory_bytes"]

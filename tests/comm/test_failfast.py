@@ -1,0 +1,57 @@
+"""Fail fast: a collective timeout instead of torch's 30 minutes, and errors that name the missing peer."""
+
+import re
+import subprocess
+import time
+
+from conftest import SCRIPTS, free_port, trainaccel_cmd
+
+TIMEOUT_S = 8
+
+
+def _start(*args) -> subprocess.Popen:
+    return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
+    began = time.monotonic()
+    # Both jobs at once (they mostly wait): one rank hangs; one emulated node's only worker dies.
+    hung = _start(*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, "--collective-timeout", TIMEOUT_S,
+                  SCRIPTS / "stall_at_step.py", "hang", 5, 1)  # fmt: skip
+    port = free_port()
+    nodes = [
+        _start(*trainaccel_cmd(), "run", "--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1,
+               "--master-addr", "127.0.0.1", "--master-port", port, SCRIPTS / "stall_at_step.py", "die", 5, 1)
+        for node in range(2)
+    ]  # fmt: skip
+    try:
+        hung_out, _ = hung.communicate(timeout=90)
+        hung_s = time.monotonic() - began
+        node_outs = [p.communicate(timeout=90)[0] for p in nodes]
+    finally:
+        for p in (hung, *nodes):
+            p.kill()
+    # torch's default would have waited 30 minutes; the sleeping rank would have slept 2.
+    assert hung.returncode != 0 and hung_s < 60, hung_out[-3000:]
+    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in hung_out, hung_out[-3000:]
+    named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, local rank 1\): "
+    assert re.search(named + r"alive but at step 5, behind this rank's step 6", hung_out), hung_out[-3000:]
+
+    assert all(p.returncode != 0 for p in nodes), node_outs[0][-3000:]
+    named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, local rank 0\): "
+    assert re.search(named + r"no heartbeat for \d+ s, its process is gone or frozen", node_outs[0]), node_outs[0][-3000:]
+
+
+def test_timeouts_apply_to_groups_created_without_one():
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    from trainaccel.comm.failfast import restore_collective_timeout, set_collective_timeout
+
+    set_collective_timeout(12.5)
+    try:
+        assert distributed_c10d._get_default_timeout("gloo") == timedelta(seconds=12.5)
+    finally:
+        restore_collective_timeout()
+    assert distributed_c10d._get_default_timeout("gloo") == timedelta(minutes=30)
