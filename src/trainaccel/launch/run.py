@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_path:
             raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
         env = trainaccel_env(args)
+        if args.max_restarts > 0:
+            # torchrun's agent shares one store with every attempt of the workers, and torch keys a plain
+            # init_process_group by nothing that changes between attempts: a restarted group can read the
+            # last attempt's Gloo addresses and fail or hang. A fresh store per attempt avoids that.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         if args.np is not None or args.hosts or args.hostfile:
             from trainaccel.launch.hosts import plan_hosts
 
