@@ -88,7 +88,10 @@ def start_heartbeat() -> None:
     if not dist.is_initialized() or (_heartbeat is not None and _heartbeat.world is dist.group.WORLD):
         return
     stop_heartbeat()  # an earlier group's (elastic jobs start new ones)
-    _heartbeat = Heartbeat()
+    try:
+        _heartbeat = Heartbeat()
+    except Exception as e:  # a store without clone or writes: training goes on, failures are not explained
+        log.debug("no heartbeat (%s: %s): collective failures will not name the missing peers", type(e).__name__, e)
 
 
 @atexit.register

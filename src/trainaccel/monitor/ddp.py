@@ -1,6 +1,6 @@
 """Monitors on DDP models, timed from forward to forward: metrics (`--metrics-every N`), stragglers, timeline steps.
 
-A step's data wait is the time from the optimizer's step to the next forward (loading, zero_grad, the
+For metrics, a step's data wait is the time from the optimizer's step to the next forward (loading, zero_grad, the
 loop's own work); its batch size is the first dimension of the forward's first tensor argument.
 """
 
