@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -105,9 +104,9 @@ class HierarchicalReduce:
 
     def _submit_chunk(self, part: torch.Tensor, key: Any) -> torch.futures.Future[torch.Tensor]:
         stages = [
-            traced("intra-node reduce", key, lambda b: self._sum_in_node(b, key)),
+            timeline.traced("intra-node reduce", key, lambda b: self._sum_in_node(b, key)),
             lambda shard: self._sum_across_nodes(shard, key),  # traced by `exchange`
-            traced("intra-node gather", key, lambda shard: self._gather_in_node(shard, part)),
+            timeline.traced("intra-node gather", key, lambda shard: self._gather_in_node(shard, part)),
         ]
         return self._pipeline.submit(stages, part)
 
@@ -143,18 +142,3 @@ class HierarchicalReduce:
         result = self.intra_codec.decompress(gathered, ctx)[: buffer.numel()]
         return buffer if result.data_ptr() == buffer.data_ptr() else buffer.copy_(result)
 
-
-def traced(name: str, key: Any, stage: Stage) -> Stage:
-    """`stage`, recorded as a span on `key`'s track when a timeline is open."""
-
-    def run(value: Any) -> Any:
-        trace = timeline.current()
-        if trace is None:
-            return stage(value)
-        start = time.perf_counter()
-        try:
-            return stage(value)
-        finally:
-            trace.span(name, start, time.perf_counter(), timeline.bucket_track(key))
-
-    return run

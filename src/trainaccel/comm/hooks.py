@@ -12,8 +12,9 @@ import torch.distributed as dist
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import exchange
 from trainaccel.comm.exit_guard import track
-from trainaccel.comm.hierarchical import HierarchicalReduce, StagedPipeline, traced
+from trainaccel.comm.hierarchical import HierarchicalReduce, StagedPipeline
 from trainaccel.comm.powersgd import PowerSGDState, powersgd_reduce
+from trainaccel.monitor import timeline
 
 log = logging.getLogger("trainaccel")
 
@@ -84,7 +85,8 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         if state.comm_wait is not None:
             state.comm_wait.ready = time.perf_counter()
     if state.powersgd is not None:
-        fut = state.pipeline.submit([traced("powersgd", bucket.index(), lambda b: _powersgd_bucket(state, b))], bucket)
+        stage = timeline.traced("powersgd", bucket.index(), lambda b: _powersgd_bucket(state, b))
+        fut = state.pipeline.submit([stage], bucket)
     else:
         # Dividing before the reduction keeps fp16 sums from overflowing.
         buffer, world = bucket.buffer(), dist.get_world_size(group)

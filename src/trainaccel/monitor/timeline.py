@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 STEPS_TRACK = "steps"
 
@@ -95,6 +95,22 @@ def bucket_track(key: Any) -> str:
         index, chunk = key
         return f"bucket {index}" if chunk == 0 else f"bucket {index}.{chunk}"
     return f"bucket {key}"
+
+
+def traced(name: str, key: Any, stage: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`stage`, recorded as a span on `key`'s bucket track when a timeline is open."""
+
+    def run(value: Any) -> Any:
+        trace = current()
+        if trace is None:
+            return stage(value)
+        start = time.perf_counter()
+        try:
+            return stage(value)
+        finally:
+            trace.span(name, start, time.perf_counter(), bucket_track(key))
+
+    return run
 
 
 def current() -> Timeline | None:
