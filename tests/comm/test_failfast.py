@@ -6,7 +6,7 @@ import time
 
 from conftest import SCRIPTS, free_port, trainaccel_cmd
 
-TIMEOUT_S = 8
+TIMEOUT_S = 5
 
 
 def _start(*args) -> subprocess.Popen:

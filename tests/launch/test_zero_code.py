@@ -2,8 +2,6 @@
 
 import sys
 
-import pytest
-
 from conftest import SCRIPTS, free_port, read_ranks, run, torchrun_cmd, trainaccel_cmd
 
 SCRIPT = SCRIPTS / "plain_ddp.py"
@@ -52,21 +50,15 @@ def test_python_m_trainaccel_launch_flags_beat_env(tmp_path):
         assert r["bucket_bytes_cap"] == 2**20
 
 
-def test_env_alone_configures_workers(tmp_path):
-    launcher = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2"]
-    for r in _train(launcher, tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16"}):
-        assert r["compression"] == "bf16"
-
-
-def test_host_list_on_localhost_trains(tmp_path):
-    for r in _train([*trainaccel_cmd(), "run", "-H", "localhost:2"], tmp_path):
+def test_host_list_on_localhost_trains_configured_by_env_alone(tmp_path):
+    for r in _train([*trainaccel_cmd(), "run", "-H", "localhost:2"], tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16"}):
         assert r["world_size"] == 2 and r["trainaccel"] is True
+        assert r["compression"] == "bf16"  # no flag: the env reaches the workers through the host plan
 
 
-@pytest.mark.parametrize("launcher", ["trainaccel", "host-list"])
-def test_a_failing_worker_fails_the_launch(tmp_path, launcher):
+def test_a_failing_worker_fails_a_host_list_launch(tmp_path):
+    # The torchrun path is tests/launch/test_fail_fast.py's.
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-    args = ["--standalone", "--nproc-per-node", "2"] if launcher == "trainaccel" else ["-H", "localhost:2"]
-    proc = run([*trainaccel_cmd(), "run", *args, bad])
+    proc = run([*trainaccel_cmd(), "run", "-H", "localhost:2", bad])
     assert proc.returncode != 0
