@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,11 +24,21 @@ def torchrun_cmd() -> list[str]:
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
-    """Run a command with a clean TRAINACCEL_* environment plus `env`; never hangs the suite."""
+    """Run a command with a clean TRAINACCEL_* environment plus `env`; never hangs the suite.
+
+    On timeout the command's whole process group is killed (a launcher's workers too), then it raises.
+    """
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
-    return subprocess.run(
-        [str(c) for c in cmd], env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout, **kw
-    )
+    args = [str(c) for c in cmd]
+    with subprocess.Popen(args, env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True, **kw) as proc:  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(args, timeout, out, err) from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def run_nodes(script, *args, nodes: int = 2, per_node: int | list[int] = 2, launcher: list[str] | None = None,

@@ -5,7 +5,7 @@ import pytest
 from conftest import run, run_checks
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [3])  # 3 splits unevenly; 2 added only time
 def test_collectives_and_errors(tmp_path, workers):
     ranks = run_checks("horovod_collectives.py", tmp_path, workers, workers)
     # Every rank raised the same error, naming each rank's shape.
@@ -14,7 +14,7 @@ def test_collectives_and_errors(tmp_path, workers):
     assert "rank 0 (2,), rank 1 (3,)" in messages.pop()
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [3])  # 3 splits unevenly; 2 added only time
 def test_process_sets_join_gradients_and_reinit(tmp_path, workers):
     ranks = run_checks("horovod_more.py", tmp_path, workers)
     # Errors inside a process set name global ranks; after join only allreduce goes on.

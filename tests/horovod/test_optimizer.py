@@ -34,7 +34,7 @@ def reference(world: int, passes: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("workers, passes", [(2, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize("workers, passes", [(3, 1), (2, 2)])  # 3 splits unevenly; (2, 1) added only time
 def test_horovod_script_matches_single_process_training(tmp_path, workers, passes):
     out = tmp_path / "params.pt"
     proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,

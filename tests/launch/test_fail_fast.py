@@ -38,6 +38,7 @@ def test_failing_worker_stops_the_job_with_its_error(tmp_path):
     # "Root Cause" may be the other worker's "Connection closed by peer" when both fail in the same second.
     report = proc.stderr[proc.stderr.rindex("Failures:") :]
     assert "Root Cause" in report and MESSAGE in report, report
+    assert f"{SCRIPTS / 'resume_recipe.py'} FAILED" in proc.stderr  # titled by the script, not trainaccel's bootstrap
     assert not (tmp_path / "job" / "final.pt").exists(), "the job finished despite the failure"
     assert torch.load(tmp_path / "job" / "checkpoint.pt")["step"] == LAST_CHECKPOINT
 
