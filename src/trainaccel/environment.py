@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import MutableMapping
 
 # torch name -> launcher variables that carry it, first match wins.
@@ -43,3 +44,9 @@ def is_distributed(env: MutableMapping[str, str] | None = None) -> bool:
 def env_rank(env: MutableMapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     return int(env.get("RANK", "0"))
+
+
+def worker_place(env: MutableMapping[str, str] | None = None) -> tuple[str, int]:
+    """(host name, local rank) of this worker: how reports name where a rank runs."""
+    env = os.environ if env is None else env
+    return socket.gethostname(), int(env.get("LOCAL_RANK", "0"))

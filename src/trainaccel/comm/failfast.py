@@ -10,8 +10,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -21,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from trainaccel.environment import worker_place
+
 log = logging.getLogger("trainaccel")
 
 HEARTBEAT_S = 2.0
-STALE_AFTER_S = 3 * HEARTBEAT_S
 _PREFIX = "trainaccel/heartbeat/"
 
 _torch_default_timeout = distributed_c10d._get_default_timeout
@@ -54,7 +53,8 @@ class Heartbeat:
         self.rank, self.world = dist.get_rank(), dist.group.WORLD
         self._store = distributed_c10d._get_default_store().clone()  # its own connection: no lock with the main thread
         self._progress, self._interval = progress, interval_s
-        self._place = {"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
+        host, local_rank = worker_place()
+        self._place = {"host": host, "local_rank": local_rank}
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="trainaccel-heartbeat", daemon=True)

@@ -118,8 +118,8 @@ class StepMeter:
         workers = 1
         if dist.is_available() and dist.is_initialized():
             workers = dist.get_world_size(self.group)
-            backend_device = self.device if self.device is not None and dist.get_backend(self.group) == "nccl" else "cpu"
-            sums, peak = sums.to(backend_device), peak.to(backend_device)
+            device = collective_device(self.device, self.group)
+            sums, peak = sums.to(device), peak.to(device)
             dist.all_reduce(sums, group=self.group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
         examples, seconds, data, steps = sums.tolist()
@@ -146,6 +146,11 @@ class StepMeter:
                 if name != "step":
                     self._writer.add_scalar(f"trainaccel/{name}", value, record.step)
             self._writer.flush()
+
+
+def collective_device(device: torch.device | None, group: dist.ProcessGroup | None) -> torch.device | str:
+    """Where a small tensor for a collective over `group` must live: `device` under NCCL, else the CPU."""
+    return device if device is not None and dist.get_backend(group) == "nccl" else "cpu"
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import socket
 import statistics
 import time
 from typing import Iterator
@@ -20,7 +18,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from trainaccel.monitor.metrics import _rank
+from trainaccel.environment import worker_place
+from trainaccel.monitor.metrics import _rank, collective_device
 
 log = logging.getLogger("trainaccel")
 
@@ -106,20 +105,17 @@ class StragglerDetector:
         return report
 
     def _check(self, own: float) -> StragglerReport:
-        times = [own]
+        times, places = [own], [worker_place()]
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(self.group)
             if self._places is None:
-                self._places = [("", 0)] * world
-                place = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")))
-                dist.all_gather_object(self._places, place, group=self.group)
-            nccl = self.device is not None and dist.get_backend(self.group) == "nccl"
-            mine = torch.tensor([own], dtype=torch.float64, device=self.device if nccl else "cpu")
+                places = [("", 0)] * world
+                dist.all_gather_object(places, worker_place(), group=self.group)
+            mine = torch.tensor([own], dtype=torch.float64, device=collective_device(self.device, self.group))
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine, group=self.group)
             times = [t.item() for t in gathered]
-        else:
-            self._places = self._places or [(socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")))]
+        self._places = self._places or places
         median = statistics.median(times)
         slow = tuple(
             Straggler(rank, *self._places[rank], own_time_s=t, median_s=median)
