@@ -1,5 +1,7 @@
 """Codecs and error feedback in one process, against exact references."""
 
+import math
+
 import pytest
 import torch
 
@@ -30,17 +32,64 @@ def test_topk_accumulate_and_zero_sent_agree_with_decompress():
     assert torch.equal(rest, t - codec.decompress(payload, ctx))
 
 
-def test_randomk_rounds_send_every_element_once_per_n_calls():
-    codec, t = RandomK(0.25), torch.arange(1.0, 101.0)
-    covered = torch.zeros(100)
-    offsets = []
-    for _ in range(4):
-        payload, ctx = codec.compress(t)
-        offsets.append(ctx[1])
+@pytest.mark.parametrize("ratio, n", [(0.25, 100), (0.4, 100), (0.01, 10_001), (0.3, 7), (1.0, 5)])
+def test_randomk_sends_the_exact_ratio_and_covers_every_element_once_per_round(ratio, n):
+    codec, t = RandomK(ratio), torch.arange(1.0, n + 1.0)
+    k = math.ceil(n * ratio)
+    calls = math.ceil(n / k)  # one round
+    covered = torch.zeros(n)
+    for call in range(calls):
+        payload, ctx = codec.compress(t, key=3)
+        assert payload.numel() - 1 == (k if call < calls - 1 else n - k * (calls - 1))  # values, then the flag
+        assert payload[-1] == 0  # every element finite
         codec.accumulate(payload, ctx, covered)
-    assert sorted(offsets) == [0, 1, 2, 3]
-    assert torch.equal(covered, t)  # each element exactly once in a round of N = 4
-    assert RandomK(0.25, seed=3).compress(t)[1] == RandomK(0.25, seed=3).compress(t)[1]  # shared seed, same pick
+    assert torch.equal(covered, t)  # each element exactly once per round
+
+
+def test_randomk_keeps_a_round_per_bucket_and_every_rank_draws_alike():
+    a, b = RandomK(0.5, seed=3), RandomK(0.5, seed=3)
+    t = torch.arange(1.0, 11.0)
+    # Two buckets of one size: each has a round of its own (the old per-size round let them share one).
+    first = [a.compress(t, key=0)[1][1], a.compress(t, key=1)[1][1]]
+    second = [a.compress(t, key=0)[1][1], a.compress(t, key=1)[1][1]]
+    for bucket in (0, 1):
+        assert sorted(torch.cat([first[bucket], second[bucket]]).tolist()) == list(range(10))
+    assert torch.equal(b.compress(t, key=0)[1][1], first[0])  # the same seed: the same elements on every rank
+    assert not torch.equal(RandomK(0.5, seed=4).compress(t, key=0)[1][1], first[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_randomk_flags_a_non_finite_element_it_does_not_send(bad):
+    codec, t = RandomK(0.1), torch.ones(100)
+    payload, ctx = codec.compress(t, key=0)
+    unsent = next(i for i in range(100) if i not in set(ctx[1].tolist()))
+    t[unsent] = bad
+    payload, ctx = codec.compress(t, key=0)
+    assert payload[:-1].isfinite().all() and payload[-1].isnan()
+
+
+@pytest.mark.parametrize("dtype, codec", [(torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp16")])
+def test_a_cast_payload_never_shares_memory_with_its_input(dtype, codec):
+    # A float16 model under fp16: the cast is a no-op, and error feedback must still see a copy.
+    t = torch.randn(64).to(dtype)
+    payload, ctx = get_codec(codec).compress(t)
+    assert payload.data_ptr() != t.data_ptr()
+    feedback, c = ErrorFeedback(), get_codec(codec)
+    corrected = feedback.correct("b", t)
+    payload, ctx = c.compress(corrected)
+    feedback.update("b", corrected, c, payload, ctx)
+    assert payload.abs().sum() > 0  # the gradient is sent, not zeroed with the residual
+    if dtype == getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[codec]):
+        assert torch.equal(payload, t) and feedback.residuals["b"].abs().max() == 0
+
+
+def test_clear_forgets_residual_and_velocity():
+    feedback, codec = ErrorFeedback(momentum=0.9), TopK(0.1)
+    corrected = feedback.correct("b", torch.randn(100))
+    payload, ctx = codec.compress(corrected)
+    feedback.update("b", corrected, codec, payload, ctx)
+    feedback.clear("b")
+    assert feedback.residuals["b"].abs().max() == 0 and feedback.velocities["b"].abs().max() == 0
 
 
 def test_fp16_scale_keeps_small_gradients_from_underflowing():
@@ -66,10 +115,10 @@ def test_error_feedback_momentum_correction():
     feedback, codec = ErrorFeedback(momentum=0.9), RandomK(0.5)
     g = torch.ones(4)
     corrected = feedback.correct("b", g)
-    payload, ctx = codec.compress(corrected)
+    payload, ctx = codec.compress(corrected, key="b")
     feedback.update("b", corrected, codec, payload, ctx)
     kept = torch.ones(4, dtype=torch.bool)
-    kept[ctx[1] :: 2] = False
+    kept[ctx[1]] = False
     assert torch.equal(feedback.velocities["b"], torch.where(kept, 1.0, 0.0))  # cleared where sent
     corrected = feedback.correct("b", g)  # u = 0.9u + g; residual += u
     assert torch.allclose(corrected, torch.where(kept, 1.0 + 1.9, 1.0))

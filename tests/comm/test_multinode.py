@@ -41,7 +41,8 @@ def test_topk_one_step_within_its_bound(ranks):
         e = r["topk"]
         assert e["max_abs_err"] <= e["bound"] + 1e-6
         assert e["k"] <= e["nonzero"] <= 4 * e["k"]
-        assert e["bytes_per_step"] == e["k"] * 8  # float32 values + int32 indices
+        # Each rank receives the other 3 ranks' k float32 values + int32 indices.
+        assert e["bytes_per_step"] == 3 * e["k"] * 8
         assert e["hierarchical"] is False  # hierarchical=auto keeps sparse codecs flat
 
 
@@ -49,9 +50,8 @@ def test_randomk_one_step_is_exact_on_the_kept_elements(ranks):
     for r in ranks:
         e = r["randomk"]
         assert e["kept_err"] <= 1e-6
-        assert e["kept_positions_stride"] == [10]  # every 10th element for compression_ratio=0.1
-        assert e["kept"] in (TOTAL // 10, TOTAL // 10 + 1)
-        assert e["bytes_per_step"] == e["kept"] * 4
+        assert e["kept"] == -(-TOTAL // 10)  # exactly ceil(ratio * n) for compression_ratio=0.1
+        assert e["bytes_per_step"] == (e["kept"] + 1) * 4  # and the finiteness flag
 
 
 def test_powersgd_exact_for_low_rank_and_a_projection_otherwise(ranks):

@@ -46,7 +46,8 @@ def test_python_m_trainaccel_launch_flags_beat_env(tmp_path):
                 "--bucket-mb", "1", "--compression", "fp16"]  # fmt: skip
     for r in _train(launcher, tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16", "TRAINACCEL_BUCKET_MB": "64"}):
         assert r["comm_hook"] == "trainaccel_comm_hook"
-        assert r["compression"] == "fp16" and r["bytes_per_step"] == PARAMS * 2
+        # 20 steps: the first reduced exactly (before DDP's final buckets), then fp16.
+        assert r["compression"] == "fp16" and r["bytes_per_step"] == (PARAMS * 4 + 19 * PARAMS * 2) / 20
         assert r["bucket_bytes_cap"] == 2**20
 
 

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from trainaccel.amp.policy import PrecisionPolicy, zero_code_policy
-from trainaccel.comm.patch import _is_rank_zero, _warn_once
 from trainaccel.config import Config
+from trainaccel.context import is_rank_zero, warn_once
 
 log = logging.getLogger("trainaccel")
 
@@ -83,7 +83,7 @@ class AmpState:
             before = self.policy.decision if self.decided_at is not None else None
             self.decided_at = step
             self.policy.enabled(step=step, lr=_observed.lr, loss=_observed.loss, scaler=_observed.scaler)
-            if self.policy.decision != before and _is_rank_zero():
+            if self.policy.decision != before and is_rank_zero():
                 if self.policy.decision:
                     log.info("amp: autocast from step %d", step)
                 else:
@@ -100,7 +100,7 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
     policy = None if config.amp_policy == "always" else zero_code_policy(config.amp_policy)
     state = AmpState(dtype, device_type, policy)
     if device_type == "cpu" and not native_cpu_support(dtype):
-        _warn_once(f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
+        warn_once(f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
                    "autocast on it is likely slower than float32 (see docs/BENCHMARKS.md)")  # fmt: skip
     if policy is not None:
         _observe_training_loop()

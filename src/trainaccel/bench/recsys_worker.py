@@ -16,8 +16,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.bench.recsys import RECSYS_MODELS, CriteoSynthetic, baseline_embedding, feature_keys
-from trainaccel.bench.worker import (_bytes_sent, _timed_bytes_per_step, arm_arguments, job_peak_memory, start_process_group,
+from trainaccel.bench.worker import (arm_arguments, job_peak_memory, start_process_group,
                                      timed_steps)  # fmt: skip
+from trainaccel.comm import bytes_per_step, bytes_sent
 from trainaccel.compiler import is_compiled
 
 ARMS = ("baseline", "trainaccel")
@@ -81,7 +82,7 @@ def main() -> None:
 
     def on_start() -> None:
         nonlocal sent_before, embedding_sent_before
-        sent_before = _bytes_sent(model)
+        sent_before = bytes_sent(model)
         embedding_sent_before = collection.bytes_sent if collection is not None else 0
 
     elapsed, loss = timed_steps(step, args.steps, args.warmup, device, on_start)
@@ -97,7 +98,7 @@ def main() -> None:
             "world_size": world,
             "examples_per_s_per_worker": args.batch_size * timed / elapsed,
             "step_time_s": elapsed / timed,
-            "bytes_per_step": _timed_bytes_per_step(model, sent_before, timed) + embedding_bytes,
+            "bytes_per_step": bytes_per_step(model, sent_before, timed) + embedding_bytes,
             "embedding_bytes_per_step": embedding_bytes,
             "peak_memory_bytes": peak,
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,

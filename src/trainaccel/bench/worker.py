@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.amp import scaled
 from trainaccel.bench.models import get_model
-from trainaccel.comm import bytes_per_step, comm_state
+from trainaccel.comm import bytes_per_step, bytes_sent
 from trainaccel.compiler import is_compiled
 from trainaccel.monitor.metrics import peak_memory_bytes
 
@@ -42,19 +42,6 @@ def start_process_group() -> torch.device:
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
-
-
-def _bytes_sent(model: DistributedDataParallel) -> int:
-    state = comm_state(model)
-    return state.bytes_sent if state is not None else 0
-
-
-def _timed_bytes_per_step(model: DistributedDataParallel, sent_before: int, timed: int) -> float:
-    """Bytes per timed step from trainaccel's counter (warm-up excluded), else plain DDP's full gradient."""
-    state = comm_state(model)
-    if state is None or getattr(state, "builtin", False):
-        return bytes_per_step(model)
-    return (_bytes_sent(model) - sent_before) / timed
 
 
 def arm_arguments(arms: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -123,7 +110,7 @@ def main() -> None:
 
     def on_start() -> None:
         nonlocal sent_before
-        sent_before = _bytes_sent(model)
+        sent_before = bytes_sent(model)
 
     elapsed, loss = timed_steps(step, args.steps, args.warmup, device, on_start)
     peak = job_peak_memory(device)
@@ -135,7 +122,7 @@ def main() -> None:
             "world_size": world,
             "examples_per_s_per_worker": args.batch_size * timed / elapsed,
             "step_time_s": elapsed / timed,
-            "bytes_per_step": 0.0 if args.arm == "local" else _timed_bytes_per_step(model, sent_before, timed),
+            "bytes_per_step": 0.0 if args.arm == "local" else bytes_per_step(model, sent_before, timed),
             "peak_memory_bytes": peak,
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),

@@ -3,12 +3,13 @@
 from trainaccel.comm.codecs import CastCompression, Codec, ErrorFeedback, NoCompression, RandomK, TopK, get_codec
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.local_steps import LocalSteps
-from trainaccel.comm.patch import build_state, bytes_per_step, comm_state, patch_ddp, register, unpatch_ddp
+from trainaccel.comm.patch import build_state, bytes_per_step, bytes_sent, comm_state, patch_ddp, register, unpatch_ddp
 from trainaccel.comm.topology import Topology, discover
 
 __all__ = [
     "build_state",
     "bytes_per_step",
+    "bytes_sent",
     "CastCompression",
     "Codec",
     "CommState",

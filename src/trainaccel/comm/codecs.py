@@ -4,12 +4,15 @@ A codec sees a flat gradient buffer already divided by the world size. When `sum
 payloads of all workers are summed by allreduce and decoded once; otherwise each worker's
 payload is gathered, decoded and the results summed. What a lossy codec drops is kept by
 `ErrorFeedback` and added into the next step. Sparse codecs also offer `accumulate` (add a
-decoded payload into a tensor) and `zero_sent`, which spare full-size temporaries.
+decoded payload into a tensor) and `zero_sent`, which spare full-size temporaries, and `values`
+(the part of a payload holding values, for the finiteness check). A payload never shares memory
+with the tensor it encodes: error feedback changes that tensor after compressing it.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Protocol
 
 import torch
@@ -20,17 +23,17 @@ class Codec(Protocol):
     summable: bool  # payloads may be summed by allreduce (else: gathered and decoded one by one)
     lossy: bool  # decompress(compress(t)) differs from t: error feedback applies
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]: ...
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor: ...
 
 
 class NoCompression:
-    """Send the buffer as it is (lossless)."""
+    """Send the buffer as it is (lossless; no error feedback, so the payload may be the buffer)."""
 
     name, summable, lossy = "none", True, False
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
         return tensor, None
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -45,9 +48,11 @@ class CastCompression:
     def __init__(self, name: str, dtype: torch.dtype, scale: float = 1.0):
         self.name, self.dtype, self.scale = name, dtype, scale
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        scaled = tensor * self.scale if self.scale != 1.0 else tensor
-        return scaled.to(self.dtype), tensor.dtype
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
+        if self.scale != 1.0:
+            return (tensor * self.scale).to(self.dtype), tensor.dtype
+        # A copy even when the buffer already has this dtype (a float16 model): never the buffer itself.
+        return tensor.to(self.dtype, copy=True), tensor.dtype
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         out = payload.to(ctx)
@@ -63,7 +68,7 @@ class TopK:
         self.ratio = ratio
         self._sampler = torch.Generator().manual_seed(seed)
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
         n = tensor.numel()
         k = max(1, math.ceil(n * self.ratio))
         indices = self._top_indices(tensor.abs(), k)
@@ -76,6 +81,11 @@ class TopK:
         """(values, int64 indices) of a payload."""
         k = payload.numel() // 2
         return payload[:k], payload[k:].view(torch.int32).long()
+
+    @staticmethod
+    def values(payload: torch.Tensor) -> torch.Tensor:
+        """The values of a payload (its second half holds indices)."""
+        return payload[: payload.numel() // 2]
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         n, dtype = ctx
@@ -108,42 +118,62 @@ class TopK:
 
 
 class RandomK:
-    """Send every N-th element (N = 1/ratio) from an offset drawn from a seed all workers share.
+    """Send k = ceil(ratio * n) elements of each buffer, chosen by a seed all workers share.
 
     Every worker picks the same elements, so payloads can be summed by allreduce (gossip-style
-    downsampling). Offsets are drawn as shuffled rounds of 0..N-1, so each element is sent once
-    every N calls on its buffer and its residual never waits longer than 2N-1 steps.
-    Workers must call `compress` in the same order, as they do for DDP buckets.
+    downsampling). Each buffer (by `key`) walks its own random permutation of its n positions,
+    k at a time: every element is sent once per round of ceil(n / k) calls (the last call of a
+    round may send fewer), so a residual never waits longer than two rounds. The permutation is
+    affine, i -> (a*i + b) mod n with a coprime to n, drawn afresh each round. Workers must call
+    `compress` for a key in the same order, as they do for DDP buckets. The payload ends with one
+    flag element, NaN when the buffer held a non-finite value anywhere, so that no worker's
+    NaN or Inf can hide in a residual while the sum looks finite.
     """
 
     name, summable, lossy = "randomk", True, True
 
     def __init__(self, ratio: float, seed: int = 0):
-        self.stride = max(1, round(1.0 / ratio))
-        self._generator = torch.Generator().manual_seed(seed)
-        self._rounds: dict[int, list[int]] = {}  # per buffer size: offsets left in the current round
+        self.ratio, self.seed = ratio, seed
+        self.rounds: dict[Any, list[int]] = {}  # per key: [n, a, b, position in the round]
+        self._draws: dict[Any, random.Random] = {}  # per key: the shared generator of its rounds
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        n = tensor.numel()
-        left = self._rounds.setdefault(n, [])
-        if not left:
-            left.extend(torch.randperm(min(self.stride, n), generator=self._generator).tolist())
-        offset = left.pop()
-        return tensor[offset :: self.stride].clone(), (n, offset)
+    def _positions(self, n: int, key: Any) -> torch.Tensor:
+        k = max(1, math.ceil(n * self.ratio))
+        state = self.rounds.get(key)
+        if state is None or state[0] != n or state[3] >= n:
+            draw = self._draws.get(key)
+            if draw is None:
+                draw = self._draws[key] = random.Random(f"{self.seed}/{key!r}")  # the same stream on every rank
+            a = draw.randrange(1, n) if n > 1 else 1
+            while math.gcd(a, n) != 1:
+                a = draw.randrange(1, n)
+            state = self.rounds[key] = [n, a, draw.randrange(n), 0]
+        _, a, b, start = state
+        stop = min(start + k, n)
+        state[3] = stop
+        return (torch.arange(start, stop, dtype=torch.int64) * a + b) % n
+
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
+        index = self._positions(tensor.numel(), key).to(tensor.device)
+        payload = tensor.new_empty(index.numel() + 1)
+        torch.index_select(tensor, 0, index, out=payload[:-1])
+        # 0 when every element is finite, NaN otherwise (a float32 sum: float16 elements could add up to Inf).
+        payload[-1] = tensor.sum(dtype=torch.float32) * 0
+        return payload, (tensor.numel(), index)
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        n, offset = ctx
+        n, index = ctx
         out = torch.zeros(n, dtype=payload.dtype, device=payload.device)
-        out[offset :: self.stride] = payload
+        out[index] = payload[:-1]
         return out
 
     def zero_sent(self, tensor: torch.Tensor, payload: torch.Tensor, ctx: Any) -> None:
         """Zero the elements of `tensor` this payload carries."""
-        tensor[ctx[1] :: self.stride] = 0
+        tensor.index_fill_(0, ctx[1], 0)
 
     def accumulate(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
         """Add the decoded payload into `out`."""
-        out[ctx[1] :: self.stride] += payload
+        out.index_add_(0, ctx[1], payload[:-1])
 
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk")
@@ -203,3 +233,9 @@ class ErrorFeedback:
         if self.momentum:
             self.velocities[key].masked_fill_(sent != 0, 0.0)
         corrected.sub_(sent)
+
+    def clear(self, key: Any) -> None:
+        """Forget what `key`'s residual (and velocity) held: after an exact exchange, or a non-finite one."""
+        for store in (self.residuals, self.velocities):
+            if key in store:
+                store[key].zero_()

@@ -1,8 +1,16 @@
-"""One codec-encoded sum over a process group: allreduce of summable payloads, else allgather and decode."""
+"""One codec-encoded sum over a process group: allreduce of summable payloads, else allgather and decode.
+
+`start_exchange` is the engine's form, run on its communication thread: `finish()` waits, and
+when a lossy payload's sum is not finite (a value beyond the codec's range, or a non-finite
+gradient) it reduces the input again exactly, on every rank alike, and clears the residual.
+`exchange` is the callback form, for callers that issue from their own thread.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +23,111 @@ from trainaccel.monitor import timeline
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+EXACT = "exact"  # Outcome.fallback: the lossy sum was not finite; the exact one is
+NOT_FINITE = "not finite"  # ...and the exact sum is not finite either: the gradient itself is not
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished exchange: the sum, the bytes each rank received, and the fallback taken if any."""
+
+    result: torch.Tensor
+    sent: int
+    fallback: str | None = None
+
+
+def received_bytes(payload: torch.Tensor, summable: bool, size: int) -> int:
+    """What one rank receives: the summed payload, or every other rank's payload when gathered."""
+    nbytes = payload.numel() * payload.element_size()
+    return nbytes if summable else nbytes * (size - 1)
+
+
+class Pending:
+    """An exchange whose collective is in flight; `finish()` completes it on the calling thread."""
+
+    def __init__(self, codec: Codec, feedback: ErrorFeedback | None, tensor: torch.Tensor, key: Any,
+                 group: dist.ProcessGroup, scale: float, out: torch.Tensor | None, span_name: str | None):  # fmt: skip
+        self.codec, self.feedback, self.key, self.group, self.scale = codec, feedback, key, group, scale
+        self.tensor, self.out = tensor, out
+        self.trace = timeline.current()
+        began = time.perf_counter() if self.trace is not None else 0.0
+        if feedback is not None:
+            corrected = feedback.correct(key, tensor, scale)  # one pass: scaled into the residual
+            self.scaled = False  # `tensor` itself is left as it was, for an exact retry
+        else:
+            corrected = tensor.mul_(scale) if scale != 1.0 else tensor
+            self.scaled = True
+        self.payload, self.ctx = codec.compress(corrected, key)
+        if feedback is not None:
+            feedback.update(key, corrected, codec, self.payload, self.ctx)
+        self.size = dist.get_world_size(group)
+        self.sent = received_bytes(self.payload, codec.summable, self.size)
+        self.collective = span_name or ("allreduce" if codec.summable else "allgather")
+        self.issued = time.perf_counter() if self.trace is not None else 0.0
+        if self.trace is not None:
+            self.trace.span("encode", began, self.issued, timeline.bucket_track(key), codec=type(codec).__name__)
+        if codec.summable:
+            self.parts = [self.payload]
+            self.work = dist.all_reduce(self.payload, group=group, async_op=True)
+        else:
+            gathered = self.payload.new_empty(self.size * self.payload.numel())
+            self.parts = list(gathered.chunk(self.size))
+            self.work = all_gather_single(gathered, self.payload, group=group, async_op=True)
+
+    def finish(self) -> Outcome:
+        self.work.wait()
+        arrived = time.perf_counter() if self.trace is not None else 0.0
+        if self.trace is not None:
+            self.trace.span(self.collective, self.issued, arrived, timeline.bucket_track(self.key), bytes=self.sent)
+        # Every rank holds the same summed or gathered payloads, so every rank decides alike.
+        if self.codec.lossy and not all(bool(_values(self.codec, part).isfinite().all()) for part in self.parts):
+            return self._exact()
+        total = decode(self.codec, self.parts, self.ctx, self.out)
+        if self.trace is not None:
+            self.trace.span("decode", arrived, time.perf_counter(), timeline.bucket_track(self.key))
+        return Outcome(total, self.sent)
+
+    def _exact(self) -> Outcome:
+        """Sum the input uncompressed, as plain DDP would; what the residual held is dropped."""
+        if self.feedback is not None:
+            self.feedback.clear(self.key)
+        exact = self.tensor if self.scaled or self.scale == 1.0 else self.tensor.mul_(self.scale)
+        dist.all_reduce(exact, group=self.group)
+        fallback = EXACT if bool(exact.isfinite().all()) else NOT_FINITE
+        return Outcome(exact, self.sent + exact.numel() * exact.element_size(), fallback)
+
+
+def _values(codec: Codec, payload: torch.Tensor) -> torch.Tensor:
+    """The part of a payload that holds values (a sparse codec's indices are not checked)."""
+    values = getattr(codec, "values", None)
+    return payload if values is None else values(payload)
+
+
+def start_exchange(codec: Codec, feedback: ErrorFeedback | None, tensor: torch.Tensor, key: Any,
+                   group: dist.ProcessGroup, scale: float = 1.0, out: torch.Tensor | None = None,
+                   span_name: str | None = None) -> Pending:  # fmt: skip
+    """Start summing `scale * tensor` over `group` through `codec` (error feedback keyed by `key`).
+
+    `tensor` is scaled in place only without feedback. A codec with `accumulate` decodes into
+    `out` when given (a tensor of `tensor`'s shape whose values are no longer needed). With a
+    timeline open, `key`'s track gets encode, `span_name` (default: the collective) and decode spans.
+    """
+    return Pending(codec, feedback, tensor, key, group, scale, out, span_name)
+
+
+def decode(codec: Codec, parts: list[torch.Tensor], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum of decoded payloads (into `out` when the codec can accumulate)."""
+    accumulate = getattr(codec, "accumulate", None) if out is not None else None
+    if accumulate is not None:
+        out.zero_()
+        for part in parts:
+            accumulate(part, ctx, out)
+        return out
+    total = codec.decompress(parts[0], ctx)
+    for part in parts[1:]:
+        total += codec.decompress(part, ctx)
+    return total
+
 
 def exchange(
     codec: Codec,
@@ -23,52 +136,24 @@ def exchange(
     key: object,
     group: dist.ProcessGroup,
     scale: float = 1.0,
-    out: torch.Tensor | None = None,
-    span_name: str | None = None,
 ) -> tuple[torch.futures.Future[torch.Tensor], int]:
-    """Start summing `scale * tensor` over `group` through `codec`; returns the future and the payload bytes.
+    """Start summing `scale * tensor` over `group` through `codec`; the future decodes in a callback.
 
-    `tensor` may be scaled in place. A codec with `accumulate` decodes into `out` when given
-    (a tensor of `tensor`'s shape whose values are no longer needed) instead of a new tensor.
-    With a timeline open, `key`'s track gets encode, `span_name` (default: the collective) and decode spans.
+    Without the engine's exact retry: a callback cannot issue a collective in a fixed order.
+    Returns the future and the bytes this rank receives.
     """
-    trace = timeline.current()
-    began = time.perf_counter() if trace is not None else 0.0
     if feedback is not None:
-        tensor = feedback.correct(key, tensor, scale)  # one pass: scaled into the residual
+        tensor = feedback.correct(key, tensor, scale)
     elif scale != 1.0:
         tensor = tensor.mul_(scale)
-    payload, ctx = codec.compress(tensor)
+    payload, ctx = codec.compress(tensor, key)
     if feedback is not None:
         feedback.update(key, tensor, codec, payload, ctx)
-    sent = payload.numel() * payload.element_size()
-    accumulate = getattr(codec, "accumulate", None) if out is not None else None
-    collective = span_name or ("allreduce" if codec.summable else "allgather")
-    if trace is not None:
-        issued = time.perf_counter()
-        trace.span("encode", began, issued, timeline.bucket_track(key), codec=type(codec).__name__)
-
-    def decode(parts: list[torch.Tensor]) -> torch.Tensor:
-        if trace is not None:
-            arrived = time.perf_counter()
-            trace.span(collective, issued, arrived, timeline.bucket_track(key), bytes=sent)
-        if accumulate is not None:
-            out.zero_()
-            for part in parts:
-                accumulate(part, ctx, out)
-            total = out
-        else:
-            total = codec.decompress(parts[0], ctx)
-            for part in parts[1:]:
-                total += codec.decompress(part, ctx)
-        if trace is not None:
-            trace.span("decode", arrived, time.perf_counter(), timeline.bucket_track(key))
-        return total
-
+    size = dist.get_world_size(group)
+    sent = received_bytes(payload, codec.summable, size)
     if codec.summable:
         fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
-        return fut.then(track(lambda fut: decode([fut.value()[0]]))), sent
-    size = dist.get_world_size(group)
+        return fut.then(track(lambda fut: decode(codec, [fut.value()[0]], ctx))), sent
     gathered = payload.new_empty(size * payload.numel())
     fut = all_gather_single(gathered, payload, group=group, async_op=True).get_future()
-    return fut.then(track(lambda fut: decode(list(gathered.chunk(size))))), sent
+    return fut.then(track(lambda fut: decode(codec, list(gathered.chunk(size)), ctx))), sent

@@ -1,65 +1,41 @@
 """Two-level allreduce: sum within the node, sum each node's shard across nodes, gather within the node.
 
-The three stages run on three threads, bucket after bucket, so one bucket crosses the
-network while the next is reduced inside the node. Each stage has a process group of its
-own and issues its collectives in bucket order, the same order on every rank.
+A bucket goes through in chunks, pipelined on the engine's one communication thread: chunk i
+is summed in the node while chunk i-1 crosses nodes and chunk i-2 is gathered. The order in
+which the collectives are issued depends only on the number of chunks, so it is the same on
+every rank; each stage has a process group of its own.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from typing import Any, Callable
+import collections
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression
-from trainaccel.comm.exchange import all_gather_single, exchange, reduce_scatter_single
-from trainaccel.comm.exit_guard import track
+from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_gather_single, reduce_scatter_single, start_exchange
 from trainaccel.comm.topology import Topology
 from trainaccel.monitor import timeline
 
-Stage = Callable[[Any], Any]
 
+class _Step:
+    """One chunk's collective in flight in one stage: `finish()` waits, returns (output, (level, fallback) or None)."""
 
-class StagedPipeline:
-    """One thread per stage; a job's output from stage i is the input of stage i+1, jobs kept in order."""
+    def __init__(self, name: str, key: Any, work: Any, finish: Any):
+        self.name, self.key, self.work, self._finish = name, key, work, finish
+        self.began = time.perf_counter()
 
-    def __init__(self, stages: int, name: str = "trainaccel-comm"):
-        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(stages)]
-        self._name = name
-        self._threads: list[threading.Thread] = []
-
-    def submit(self, stages: list[Stage], value: Any) -> torch.futures.Future:
-        if len(stages) != len(self._queues):
-            raise ValueError(f"a job needs {len(self._queues)} stages, got {len(stages)}")
-        if not self._threads:
-            for i in range(len(self._queues)):
-                thread = threading.Thread(target=self._run, args=(i,), name=f"{self._name}-{i}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queues[0].put((stages, value, None, fut))
-        return fut
-
-    def _run(self, index: int) -> None:
-        last = index == len(self._queues) - 1
-        while True:
-            stages, value, error, fut = self._queues[index].get()
-            if error is None:
-                try:
-                    value = stages[index](value)
-                except BaseException as e:  # surfaces in DDP's backward on this rank
-                    error = e
-            if not last:
-                # A failed job still passes through later stages (doing nothing) to keep the order.
-                self._queues[index + 1].put((stages, value, error, fut))
-            elif error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
-            del stages, value, error, fut
+    def finish(self) -> Any:
+        if self.work is not None:
+            self.work.wait()
+        out = self._finish()
+        trace = timeline.current()
+        if trace is not None and self.name:
+            trace.span(self.name, self.began, time.perf_counter(), timeline.bucket_track(self.key))
+        return out
 
 
 class HierarchicalReduce:
@@ -81,64 +57,98 @@ class HierarchicalReduce:
         # Buffers cross the pipeline in chunks, so that one chunk crosses nodes while the next
         # is summed in the node: with whole DDP buckets the link idles during the intra stages.
         self.chunk_mb = chunk_mb
-        self.bytes_sent = 0  # across nodes
+        self.bytes_sent = 0  # received across nodes
         self.intra_bytes_sent = 0
-        self._pipeline = StagedPipeline(3)
         # Gloo's reduce-scatter is several times slower than its allreduce: on Gloo the first
-        # stage allreduces the whole buffer inside the node and keeps this worker's shard.
-        self._scatter_by_allreduce = dist.get_backend(topology.intra_group) == "gloo"
+        # stage allreduces the whole buffer inside the node and keeps this worker's shard. A lossy
+        # codec in the node does so too: every worker of the node must see the whole sum to decide
+        # alike whether it is finite.
+        self._scatter_by_allreduce = dist.get_backend(topology.intra_group) == "gloo" or self.intra_codec.lossy
 
-    def submit(self, buffer: torch.Tensor, key: Any) -> torch.futures.Future[torch.Tensor]:
-        """Start summing `buffer` (in place); the future's value is `buffer` holding the sum."""
+    def reduce(self, buffer: torch.Tensor, key: Any) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+        """Sum `buffer` in place (call on the communication thread); returns it and the (level, fallback) taken."""
         chunk = max(1, int(self.chunk_mb * 2**20) // buffer.element_size())
-        futures = [self._submit_chunk(part, (key, i)) for i, part in enumerate(buffer.split(chunk))]
-        if len(futures) == 1:
-            return futures[0]  # its value is the one chunk: all of `buffer`
+        fallbacks: list[tuple[str, str]] = []
+        stages: list[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
+        starts = [self._start_sum_in_node, self._start_sum_across_nodes, self._start_gather_in_node]
 
-        def whole(fut: torch.futures.Future) -> torch.Tensor:
-            for part in fut.value():
-                part.wait()  # raises the first chunk's error, if any
-            return buffer
+        def advance(depth: int) -> None:
+            # Finish the oldest step of each stage while more than `depth` are in flight, and start its next stage.
+            for s in range(3):
+                while len(stages[s]) > depth:
+                    part, key_i, step = stages[s].popleft()
+                    value, fallback = step.finish()
+                    if fallback is not None:
+                        fallbacks.append(fallback)
+                    if s < 2:
+                        stages[s + 1].append((part, key_i, starts[s + 1](value, key_i, part)))
 
-        return torch.futures.collect_all(futures).then(track(whole))
+        for i, part in enumerate(buffer.split(chunk)):
+            stages[0].append((part, (key, i), self._start_sum_in_node(part, (key, i), part)))
+            advance(1)
+        advance(0)
+        return buffer, fallbacks
 
-    def _submit_chunk(self, part: torch.Tensor, key: Any) -> torch.futures.Future[torch.Tensor]:
-        stages = [
-            timeline.traced("intra-node reduce", key, lambda b: self._sum_in_node(b, key)),
-            lambda shard: self._sum_across_nodes(shard, key),  # traced by `exchange`
-            timeline.traced("intra-node gather", key, lambda shard: self._gather_in_node(shard, part)),
-        ]
-        return self._pipeline.submit(stages, part)
-
-    def _sum_in_node(self, buffer: torch.Tensor, key: Any) -> torch.Tensor:
-        local_size, n = self.topology.local_size, buffer.numel()
+    def _start_sum_in_node(self, part: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
+        local_size, n = self.topology.local_size, part.numel()
         shard_size = -(-n // local_size)
-        padded = torch.nn.functional.pad(buffer, (0, shard_size * local_size - n)) if n % local_size else buffer
+        padded = torch.nn.functional.pad(part, (0, shard_size * local_size - n)) if n % local_size else part
         full = padded if self.intra_feedback is None else self.intra_feedback.correct(key, padded)
-        payload, ctx = self.intra_codec.compress(full)
+        payload, ctx = self.intra_codec.compress(full, key)
         if self.intra_feedback is not None:
             self.intra_feedback.update(key, full, self.intra_codec, payload, ctx)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
+        group, offset = self.topology.intra_group, self.topology.local_index * shard_size
         if self._scatter_by_allreduce:
-            dist.all_reduce(payload, group=self.topology.intra_group)
-            shard_payload = payload.narrow(0, self.topology.local_index * shard_size, shard_size)
+            work = dist.all_reduce(payload, group=group, async_op=True)
+            shard_payload = payload.narrow(0, offset, shard_size)
         else:
             shard_payload = payload.new_empty(shard_size)
-            reduce_scatter_single(shard_payload, payload, group=self.topology.intra_group)
-        return self.intra_codec.decompress(shard_payload, ctx)
+            work = reduce_scatter_single(shard_payload, payload, group=group, async_op=True)
 
-    def _sum_across_nodes(self, shard: torch.Tensor, key: Any) -> torch.Tensor:
+        def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
+            if self.intra_codec.lossy and not bool(payload.isfinite().all()):
+                # The whole node sees this sum: every worker of it retries exactly, alike.
+                if self.intra_feedback is not None:
+                    self.intra_feedback.clear(key)
+                dist.all_reduce(padded, group=group)
+                return padded.narrow(0, offset, shard_size), ("in the node", _which(padded))
+            return self.intra_codec.decompress(shard_payload, ctx), None
+
+        return _Step("intra-node reduce", key, work, finish)
+
+    def _start_sum_across_nodes(self, shard: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
         out = shard if self.feedback is not None else None  # folded into the residual: free to reuse
-        fut, sent = exchange(self.codec, self.feedback, shard, key, self.topology.inter_group, out=out,
-                             span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather")
-        self.bytes_sent += sent
-        return fut.wait()
+        pending = start_exchange(self.codec, self.feedback, shard, key, self.topology.inter_group, out=out,
+                                 span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather")
 
-    def _gather_in_node(self, shard: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        payload, ctx = self.intra_codec.compress(shard)
-        gathered = payload.new_empty(payload.numel() * self.topology.local_size)
-        all_gather_single(gathered, payload.contiguous(), group=self.topology.gather_group)
+        def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
+            outcome = pending.finish()
+            self.bytes_sent += outcome.sent
+            return outcome.result, None if outcome.fallback is None else ("across nodes", outcome.fallback)
+
+        return _Step("", key, None, finish)  # `exchange` records its own encode, collective and decode spans
+
+    def _start_gather_in_node(self, shard: torch.Tensor, key: Any, part: torch.Tensor) -> _Step:
+        payload, ctx = self.intra_codec.compress(shard, key)
+        local_size, group = self.topology.local_size, self.topology.gather_group
+        gathered = payload.new_empty(payload.numel() * local_size)
+        work = all_gather_single(gathered, payload.contiguous(), group=group, async_op=True)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
-        result = self.intra_codec.decompress(gathered, ctx)[: buffer.numel()]
-        return buffer if result.data_ptr() == buffer.data_ptr() else buffer.copy_(result)
 
+        def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
+            fallback = None
+            if self.intra_codec.lossy and not bool(gathered.isfinite().all()):
+                exact = shard.new_empty(shard.numel() * local_size)
+                all_gather_single(exact, shard.contiguous(), group=group)
+                result, fallback = exact, ("in the node's gather", _which(exact))
+            else:
+                result = self.intra_codec.decompress(gathered, ctx)
+            result = result[: part.numel()]
+            return (part if result.data_ptr() == part.data_ptr() else part.copy_(result)), fallback
+
+        return _Step("intra-node gather", key, work, finish)
+
+
+def _which(exact: torch.Tensor) -> str:
+    return EXACT if bool(exact.isfinite().all()) else NOT_FINITE

@@ -3,20 +3,20 @@
 
 
 import dataclasses
-import logging
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import Codec, ErrorFeedback
-from trainaccel.comm.exchange import exchange
+from trainaccel.comm.exchange import EXACT, NOT_FINITE, start_exchange
 from trainaccel.comm.exit_guard import track
-from trainaccel.comm.hierarchical import HierarchicalReduce, StagedPipeline
-from trainaccel.comm.powersgd import PowerSGDState, powersgd_reduce
+from trainaccel.comm.hierarchical import HierarchicalReduce
+from trainaccel.comm.powersgd import PowerSGDState, forget_bucket, powersgd_reduce
+from trainaccel.comm.scheduler import comm_thread
+from trainaccel.context import log, warn_once
 from trainaccel.monitor import timeline
-
-log = logging.getLogger("trainaccel")
 
 
 @dataclasses.dataclass
@@ -42,19 +42,23 @@ class CommState:
     """What the hook keeps between buckets and steps on one worker.
 
     One of three reductions: torch's PowerSGD (`powersgd`), the two-level `hierarchy`, or one
-    flat exchange of `codec` payloads over `process_group`.
+    flat exchange of `codec` payloads over `group`. Every collective runs on the engine's
+    communication thread, over groups of the engine's own (`group` copies `process_group`).
     """
 
-    process_group: dist.ProcessGroup | None
+    process_group: dist.ProcessGroup | None  # the DDP model's group
     codec: Codec
+    group: dist.ProcessGroup | None = None  # the engine's copy of it: DDP's own collectives stay apart
     nan_check: str = "off"
     param_names: dict[int, str] = dataclasses.field(default_factory=dict)
     feedback: ErrorFeedback | None = None
     hierarchy: HierarchicalReduce | None = None
     powersgd: PowerSGDState | None = None
-    pipeline: StagedPipeline = dataclasses.field(default_factory=lambda: StagedPipeline(1))  # runs powersgd
     flat_bytes_sent: int = 0
-    steps: int = 0
+    steps: int = 0  # steps whose last bucket this hook has seen
+    fallbacks: int = 0  # lossy exchanges that were not finite and were redone exactly
+    skipped_steps: int = 0  # steps whose gradients the script did not apply: residuals dropped after them
+    optimizer_steps_at_last_step: int = -1  # `optimizer_steps()` when the last step's first bucket came
     # Set by `register` when there is nothing to add to a plain allreduce (no codec, no hierarchy,
     # no check): DDP's own C++ allreduce runs instead of this hook, with no Python per bucket.
     builtin: bool = False
@@ -66,8 +70,15 @@ class CommState:
         return self.hierarchy is not None
 
     @property
+    def keeps_residuals(self) -> bool:
+        """Whether a lossy codec keeps per-bucket state, which must not start before DDP's final buckets."""
+        return self.feedback is not None or (
+            self.hierarchy is not None and (self.hierarchy.feedback is not None or self.hierarchy.intra_feedback is not None)
+        )
+
+    @property
     def bytes_sent(self) -> int:
-        """Payload bytes handed to collectives that cross nodes (all of them when flat)."""
+        """Payload bytes each worker receives from collectives that cross nodes (all of them when flat)."""
         return self.flat_bytes_sent + (self.hierarchy.bytes_sent if self.hierarchy is not None else 0)
 
     def bytes_per_step(self) -> float:
@@ -78,25 +89,30 @@ class CommState:
 
 
 def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average one DDP bucket across workers through `state.codec` (hierarchically when set up)."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    """Average one DDP bucket across workers through `state.codec` (hierarchically when set up).
+
+    The work runs on the engine's communication thread; this returns at once.
+    """
+    first_step = state.steps == 0
+    if bucket.index() == 0 and (state.keeps_residuals or state.powersgd is not None):
+        _drop_residuals_after_a_skipped_step(state)
     if bucket.is_last():
         state.steps += 1
         if state.comm_wait is not None:
             state.comm_wait.ready = time.perf_counter()
-    if state.powersgd is not None:
-        stage = timeline.traced("powersgd", bucket.index(), lambda b: _powersgd_bucket(state, b))
-        fut = state.pipeline.submit([stage], bucket)
+    step, buffer, index = state.steps if bucket.is_last() else state.steps + 1, bucket.buffer(), bucket.index()
+    if buffer.is_sparse:
+        job = timeline.traced("sparse allreduce", index, lambda _: _exact(state, buffer, sparse=True))
+    elif state.powersgd is not None:
+        job = timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))
+    elif first_step and state.keeps_residuals:
+        # DDP may rebuild its buckets in a new parameter order after this step: residuals start after it.
+        job = timeline.traced("allreduce (before DDP's final buckets)", index, lambda _: _exact(state, buffer))
+    elif state.hierarchy is not None:
+        job = lambda _: _hierarchical(state, buffer, index, step)  # noqa: E731 - its stages trace themselves
     else:
-        # Dividing before the reduction keeps fp16 sums from overflowing.
-        buffer, world = bucket.buffer(), dist.get_world_size(group)
-        if state.hierarchy is not None:
-            fut = state.hierarchy.submit(buffer.div_(world), bucket.index())
-        else:
-            # With error feedback the buffer is folded into the residual, so the result may reuse it.
-            out = buffer if state.feedback is not None else None
-            fut, sent = exchange(state.codec, state.feedback, buffer, bucket.index(), group, 1.0 / world, out)
-            state.flat_bytes_sent += sent
+        job = lambda _: _flat(state, buffer, index, step)  # noqa: E731 - `exchange` traces its stages
+    fut = comm_thread().submit(lambda: job(None), buffer.device)
     if state.comm_wait is not None:
         fut = fut.then(track(state.comm_wait.mark_done))
     if state.nan_check == "off":
@@ -110,17 +126,119 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     return fut.then(track(check))
 
 
-def _powersgd_bucket(state: CommState, bucket: dist.GradBucket) -> torch.Tensor:
-    result, sent = powersgd_reduce(state.powersgd, bucket)  # divides by the world size itself
+_optimizer_steps = 0  # optimizer steps taken in this process (torch's global step hook)
+_step_hook: Any = None
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def watch_optimizer_steps() -> None:
+    """Count every torch optimizer's steps from now on (idempotent; undone by `unwatch_optimizer_steps`)."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def unwatch_optimizer_steps() -> None:
+    global _step_hook, _optimizer_steps
+    if _step_hook is not None:
+        _step_hook.remove()
+    _step_hook, _optimizer_steps = None, 0
+
+
+def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
+    """If no optimizer stepped since the last step's exchange, that step's gradient was discarded by the script
+    (a GradScaler or a loss-spike check): what its residuals kept of it must not reach later steps.
+
+    Off until some optimizer has stepped: an optimizer outside torch.optim would look like it never does.
+    """
+    seen, state.optimizer_steps_at_last_step = state.optimizer_steps_at_last_step, _optimizer_steps
+    if _optimizer_steps == 0 or seen != _optimizer_steps or state.steps == 0:
+        return
+    state.skipped_steps += 1
+    feedbacks = [state.feedback] + ([state.hierarchy.feedback, state.hierarchy.intra_feedback] if state.hierarchy else [])
+    for feedback in filter(None, feedbacks):
+        for key in list(feedback.residuals):
+            feedback.clear(key)
+    if state.powersgd is not None:
+        state.powersgd.error_dict.clear()
+    warn_once("a step's gradients were reduced but no optimizer stepped on them (skipped by the script, or "
+              "accumulated without no_sync()): the codec's residuals are dropped after such a step so that "
+              "nothing of a discarded gradient reaches later steps")  # fmt: skip
+
+
+def _world(state: CommState) -> int:
+    return dist.get_world_size(state.group)
+
+
+def _exact(state: CommState, buffer: torch.Tensor, sparse: bool = False) -> torch.Tensor:
+    """Plain DDP's reduction: the mean of the buffer in its own dtype (sparse gradients stay sparse)."""
+    if sparse:
+        warn_once("sparse gradients (e.g. nn.Embedding(sparse=True)) are averaged exactly, uncompressed; "
+                  "the codec applies to the dense buckets")  # fmt: skip
+        buffer = buffer.coalesce()  # one value per row: what Gloo's sparse allreduce expects
+    buffer.div_(_world(state))
+    dist.all_reduce(buffer, group=state.group)
+    sent = buffer._values().numel() * buffer.element_size() if sparse else buffer.numel() * buffer.element_size()
     state.flat_bytes_sent += sent
+    return buffer
+
+
+def _flat(state: CommState, buffer: torch.Tensor, index: int, step: int) -> torch.Tensor:
+    # With error feedback the buffer is folded into the residual, so the result may reuse it.
+    out = buffer if state.feedback is not None else None
+    outcome = start_exchange(state.codec, state.feedback, buffer, index, state.group, 1.0 / _world(state), out).finish()
+    state.flat_bytes_sent += outcome.sent
+    if outcome.fallback is not None:
+        _note_fallback(state, f"bucket {index}", step, outcome.fallback)
+    return outcome.result
+
+
+def _hierarchical(state: CommState, buffer: torch.Tensor, index: int, step: int) -> torch.Tensor:
+    # Dividing before the reduction keeps fp16 sums from overflowing.
+    result, fallbacks = state.hierarchy.reduce(buffer.div_(_world(state)), index)
+    for level, fallback in fallbacks:
+        _note_fallback(state, f"bucket {index} ({level})", step, fallback)
     return result
 
 
+def _powersgd_bucket(state: CommState, bucket: dist.GradBucket, step: int) -> torch.Tensor:
+    original = bucket.buffer().clone()  # torch's hook changes the buffer in place: kept for an exact retry
+    result, sent = powersgd_reduce(state.powersgd, bucket)  # divides by the world size itself
+    state.flat_bytes_sent += sent
+    if bool(result.isfinite().all()):
+        return result
+    forget_bucket(state.powersgd, bucket.index())
+    exact = _exact(state, original)
+    _note_fallback(state, f"bucket {bucket.index()}", step, EXACT if bool(exact.isfinite().all()) else NOT_FINITE)
+    return exact
+
+
+def _note_fallback(state: CommState, where: str, step: int, fallback: str) -> None:
+    """Count an exact retry; say once per job what happened and what it means."""
+    state.fallbacks += 1
+    name = "powersgd" if state.powersgd is not None else state.codec.name
+    log.debug("compression=%s: %s was not finite at step %d: reduced exactly (%s)", name, where, step, fallback)
+    if fallback == EXACT:
+        warn_once(f"compression={name}: at step {step} the compressed sum of {where} was not finite (a gradient "
+                  "beyond the codec's range): that bucket was reduced exactly instead, as plain DDP would, and its "
+                  "residual cleared; later cases are logged at debug level")  # fmt: skip
+    else:
+        warn_once(f"compression={name}: at step {step} the gradient of {where} is not finite on some worker: it is "
+                  "passed on as plain DDP would (a GradScaler skips such a step) and the residual is cleared; "
+                  "later cases are logged at debug level")  # fmt: skip
 def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tensor) -> None:
-    if bool(torch.isfinite(result).all()):
+    if bool(torch.isfinite(result.coalesce().values() if result.is_sparse else result).all()):
         return
     bad, offset = [], 0
-    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+    if result.is_sparse:  # DDP gives a sparse gradient a bucket of its own
+        bad = [state.param_names.get(id(p), f"<parameter of shape {tuple(p.shape)}>") for p in bucket.parameters()]
+    for param, grad in zip(bucket.parameters(), bucket.gradients()) if not result.is_sparse else ():
         n = grad.numel()
         if not bool(torch.isfinite(result[offset : offset + n]).all()):
             bad.append(state.param_names.get(id(param), f"<parameter of shape {tuple(param.shape)}>"))

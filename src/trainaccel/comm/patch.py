@@ -16,10 +16,12 @@ from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, c
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
-from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook
+from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook, unwatch_optimizer_steps, watch_optimizer_steps
 from trainaccel.comm.powersgd import powersgd_state
+from trainaccel.comm.scheduler import engine_group
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
+from trainaccel.context import info_once, warn_once
 from trainaccel.monitor import timeline
 
 log = logging.getLogger("trainaccel")
@@ -40,6 +42,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     elif options:
         config = dataclasses.replace(config, **options)
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    watch_optimizer_steps()
     failfast.start_heartbeat()
     ddp_model.register_forward_pre_hook(failfast.count_step)
     if config.timeline is not None:
@@ -90,9 +93,9 @@ def build_autotuner(process_group: Any, config: Config, param_names: dict[int, s
         candidates.append(Candidate(label, state, warmup_steps(candidate_config)))
     tuner = Autotuner(candidates, process_group)
     if tuner.chosen is not None:
-        _info_once(f"autotune: one candidate only ({tuner.chosen.label}), nothing to time")
+        info_once(f"autotune: one candidate only ({tuner.chosen.label}), nothing to time")
     else:
-        _info_once(f"autotune: timing {len(candidates)} candidates: {', '.join(c.label for c in candidates)}")
+        info_once(f"autotune: timing {len(candidates)} candidates: {', '.join(c.label for c in candidates)}")
     return tuner
 
 
@@ -102,12 +105,12 @@ DENSE_CODECS = ("none", "fp16", "bf16")
 def build_state(process_group: Any, config: Config, param_names: dict[int, str] | None = None,
                 comm_wait: CommWait | None = None) -> CommState:  # fmt: skip
     """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies."""
-    state = CommState(process_group=process_group, codec=NoCompression(), nan_check=config.nan_check,
-                      param_names=param_names or {}, comm_wait=comm_wait)  # fmt: skip
+    state = CommState(process_group=process_group, codec=NoCompression(), group=engine_group(process_group),
+                      nan_check=config.nan_check, param_names=param_names or {}, comm_wait=comm_wait)  # fmt: skip
     if config.compression == "powersgd":
-        state.powersgd = powersgd_state(process_group, config.powersgd_rank)
+        state.powersgd = powersgd_state(state.group, config.powersgd_rank)
         if config.hierarchical == "on":
-            _warn_once("hierarchical=on: powersgd reduces over all workers at once (its payload is already small)")
+            warn_once("hierarchical=on: powersgd reduces over all workers at once (its payload is already small)")
         return state
     state.codec = get_codec(config.compression, ratio=config.compression_ratio, fp16_scale=config.fp16_scale)
     if state.codec.lossy:
@@ -121,39 +124,15 @@ def build_state(process_group: Any, config: Config, param_names: dict[int, str] 
         intra_feedback = ErrorFeedback() if intra_codec.lossy else None
         state.hierarchy = HierarchicalReduce(topology, state.codec, state.feedback, intra_codec, intra_feedback)
         state.feedback = None  # the hierarchy applies it across nodes
-        _info_once(
+        info_once(
             f"hierarchical allreduce: {topology.num_nodes} nodes x {topology.local_size} workers, "
             f"{config.compression} across nodes, {config.intra_compression} within"
         )
     elif why_flat is not None and (config.hierarchical == "on" or not topology.uniform):
-        _warn_once(f"hierarchical={config.hierarchical}: reducing flat over all workers ({why_flat})")
+        warn_once(f"hierarchical={config.hierarchical}: reducing flat over all workers ({why_flat})")
     if config.intra_compression != "none" and not state.hierarchical:
-        _warn_once(f"intra_compression={config.intra_compression} has no effect: the reduction is flat")
+        warn_once(f"intra_compression={config.intra_compression} has no effect: the reduction is flat")
     return state
-
-
-_said: set[str] = set()
-
-
-def _say_once(level: int, message: str) -> None:
-    """Log a fact about the whole job once, from rank 0."""
-    if message not in _said and _is_rank_zero():
-        _said.add(message)
-        log.log(level, message)
-
-
-def _warn_once(message: str) -> None:
-    _say_once(logging.WARNING, message)
-
-
-def _info_once(message: str) -> None:
-    _say_once(logging.INFO, message)
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:
@@ -161,12 +140,24 @@ def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:
     return getattr(ddp_model, "trainaccel_state", None)
 
 
-def bytes_per_step(ddp_model: DistributedDataParallel) -> float:
+def bytes_sent(ddp_model: DistributedDataParallel) -> int:
+    """Bytes trainaccel's hook has counted on this model so far (0 when DDP's own allreduce runs)."""
+    state = comm_state(ddp_model)
+    return 0 if state is None or getattr(state, "builtin", False) else state.bytes_sent
+
+
+def bytes_per_step(ddp_model: DistributedDataParallel, sent_before: int | None = None, steps: int = 0) -> float:
     """Allreduce payload per step for this model: measured by trainaccel's hook, else plain DDP's.
 
-    Plain DDP (no hook, or a hook we did not build) reduces every gradient once per step, in its dtype.
+    With `sent_before` (a `bytes_sent` reading) and `steps`: over the steps since that reading,
+    e.g. a benchmark's timed steps (a lossy codec reduces the first step exactly). Plain DDP (no
+    hook, or a hook we did not build) reduces every gradient once per step, in its dtype.
     """
     state = comm_state(ddp_model)
+    if state is not None and not getattr(state, "builtin", False):
+        if sent_before is not None and steps:
+            return (state.bytes_sent - sent_before) / steps
+        return state.bytes_per_step()
     if state is not None:
         return state.bytes_per_step()
     return float(sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad))
@@ -214,6 +205,7 @@ def unpatch_ddp() -> None:
     if _original_init is not None:
         DistributedDataParallel.__init__ = _original_init
     _original_init, _config = None, None
+    unwatch_optimizer_steps()
 
 
 def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, *, config: Config) -> None:
@@ -227,12 +219,12 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
     if existing:
         log.info("keeping the communication hook %s registered by the script", existing)
         if config.straggler_every or config.timeline is not None:
-            _warn_once("straggler_every and timeline need trainaccel's communication hook: off for this model, "
+            warn_once("straggler_every and timeline need trainaccel's communication hook: off for this model, "
                        f"which keeps the script's hook {existing}")  # fmt: skip
         guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
         return
     if config.local_steps > 1 and not hasattr(ddp_model, "_trainaccel_local_steps"):
-        _warn_once(
+        warn_once(
             f"local_steps={config.local_steps} needs trainaccel.comm.LocalSteps(model, optimizer) in the script: "
             "without it this model reduces gradients at every backward pass (zero-code mode cannot hold back "
             "the script's optimizer steps)"

@@ -28,7 +28,7 @@ def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torc
 
     The hook waits for its second allreduce inside the first one's callback, on a c10d thread.
     With several buckets in flight on Gloo, those waits can take every thread and deadlock, so
-    callers run one bucket at a time on a thread of their own (see `trainaccel_comm_hook`).
+    it runs one bucket at a time on the engine's communication thread (see `trainaccel_comm_hook`).
     """
     buffer = bucket.buffer()
     compressing = state.iter >= state.start_powerSGD_iter
@@ -36,3 +36,9 @@ def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torc
     result = powerSGD_hook(state, bucket).wait()
     numel = state.total_numel_after_compression - before if compressing else buffer.numel()
     return result, numel * buffer.element_size()
+
+
+def forget_bucket(state: PowerSGDState, index: int) -> None:
+    """Drop a bucket's error and warm-start factors (after a non-finite step they would poison every later one)."""
+    for store in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+        store.pop(index, None)

@@ -106,16 +106,18 @@ _node_groups: list[tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = []  # (
 
 
 def node_group() -> dist.ProcessGroup | None:
-    """This node's workers as a process group; None when the job is one node. Collective on first call."""
+    """This node's workers as a process group; None when the job is one node. Collective on first call.
+
+    A group of its own, not the hierarchy's: the engine's thread issues on those, and collectives
+    of the script's own threads on one group would interleave differently on different ranks.
+    """
     world = dist.group.WORLD
     if _node_groups and _node_groups[0][0] is world:
         return _node_groups[0][1]
     topology = discover()
     if topology.num_nodes == 1:
         group = None
-    elif topology.intra_group is not None:
-        group = topology.intra_group
-    else:  # no hierarchy was built (uneven nodes, one worker per node): every rank builds every node's group
+    else:  # every rank builds every node's group, in order
         group = [dist.new_group(list(ranks)) for ranks in topology.nodes][topology.node_index]
     _node_groups[:] = [(world, group)]
     return group

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainaccel.comm import bytes_per_step  # measurement only; the training is plain DDP
+from trainaccel.comm import bytes_per_step, bytes_sent  # measurement only; the training is plain DDP
 
 IN_FEATURES, HIDDEN, CLASSES = 256, 1024, 10
 
@@ -54,13 +54,13 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     losses: list[float] = []
-    step, epoch, started = 0, 0, 0.0
+    step, epoch, started, sent_before = 0, 0, 0.0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
             if step == args.warmup:
                 dist.barrier()
-                started = time.perf_counter()
+                started, sent_before = time.perf_counter(), bytes_sent(model)
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -90,7 +90,7 @@ def main() -> None:
             "examples_per_s_per_worker": args.batch_size * (args.steps - args.warmup) / float(elapsed),
             "final_loss": float(tail) / world,
             "first_loss": losses[0],
-            "bytes_per_step": bytes_per_step(model),
+            "bytes_per_step": bytes_per_step(model, sent_before, args.steps - args.warmup),
             "comm_hook": logging_data.get("comm_hook") or None,
             "replica_max_abs_diff": replica_diff,
         }

@@ -1,0 +1,85 @@
+"""The engine's one communication thread and the process groups it owns.
+
+Every collective trainaccel's hooks issue runs on one thread, in the order the hooks submit
+work, which DDP makes the same on every rank (buckets in index order, models in autograd
+order). The collectives go to groups of the engine's own (`engine_group`), never to the DDP
+model's group, so DDP's own collectives on that group (the unused-parameter map, buffer
+broadcasts) cannot interleave with ours differently on different ranks. One issuing thread is
+also what NCCL needs to drive several communicators without deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("trainaccel")
+
+
+class CommThread:
+    """Runs submitted jobs one at a time, in submission order, on a daemon thread."""
+
+    def __init__(self, name: str = "trainaccel-comm"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], torch.Tensor], device: torch.device | None = None) -> torch.futures.Future:
+        """A future completed with `job()`'s result (or its error) once the thread has run it."""
+        # A CUDA-aware future makes its waiters' streams wait for the job's work, as c10d's futures do.
+        devices = [device] if device is not None and device.type == "cuda" else []
+        fut: torch.futures.Future = torch.futures.Future(devices=devices)
+        self._jobs.put((job, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job, fut = self._jobs.get()
+            result = None
+            try:
+                result = job()
+            except BaseException as e:  # surfaces in DDP's backward on this rank
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            del job, fut, result
+
+
+_thread: CommThread | None = None
+
+
+def comm_thread() -> CommThread:
+    """This process's communication thread (started on first use)."""
+    global _thread
+    if _thread is None:
+        _thread = CommThread()
+    return _thread
+
+
+# DDP group -> the engine's copy of it (same ranks, its own communicator).
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The engine's own group over the ranks of `group` (None: the default group); collective on first call.
+
+    Built once per group; only that group's ranks take part (torch's local synchronization).
+    """
+    group = dist.group.WORLD if group is None else group
+    mine = _groups.get(group)
+    if mine is None:
+        ranks = dist.get_process_group_ranks(group)
+        mine = _groups[group] = dist.new_group(ranks, use_local_synchronization=group is not dist.group.WORLD)
+    return mine
+
+
+def reset() -> None:
+    """Forget the groups built so far (after the default group is destroyed); the thread stays."""
+    _groups.clear()
+
