@@ -77,9 +77,3 @@ def engine_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         ranks = dist.get_process_group_ranks(group)
         mine = _groups[group] = dist.new_group(ranks, use_local_synchronization=group is not dist.group.WORLD)
     return mine
-
-
-def reset() -> None:
-    """Forget the groups built so far (after the default group is destroyed); the thread stays."""
-    _groups.clear()
-
