@@ -142,18 +142,6 @@ def exchange(
     Without the engine's exact retry: a callback cannot issue a collective in a fixed order.
     Returns the future and the bytes this rank receives.
     """
-    if feedback is not None:
-        tensor = feedback.correct(key, tensor, scale)
-    elif scale != 1.0:
-        tensor = tensor.mul_(scale)
-    payload, ctx = codec.compress(tensor, key)
-    if feedback is not None:
-        feedback.update(key, tensor, codec, payload, ctx)
-    size = dist.get_world_size(group)
-    sent = received_bytes(payload, codec.summable, size)
-    if codec.summable:
-        fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
-        return fut.then(track(lambda fut: decode(codec, [fut.value()[0]], ctx))), sent
-    gathered = payload.new_empty(size * payload.numel())
-    fut = all_gather_single(gathered, payload, group=group, async_op=True).get_future()
-    return fut.then(track(lambda fut: decode(codec, list(gathered.chunk(size)), ctx))), sent
+    pending = Pending(codec, feedback, tensor, key, group, scale, None, None)
+    fut = pending.work.get_future()
+    return fut.then(track(lambda _: decode(codec, pending.parts, pending.ctx))), pending.sent

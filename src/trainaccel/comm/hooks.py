@@ -58,7 +58,7 @@ class CommState:
     steps: int = 0  # steps whose last bucket this hook has seen
     fallbacks: int = 0  # lossy exchanges that were not finite and were redone exactly
     skipped_steps: int = 0  # steps whose gradients the script did not apply: residuals dropped after them
-    optimizer_steps_at_last_step: int = -1  # `optimizer_steps()` when the last step's first bucket came
+    optimizer_steps_at_last_step: int = -1  # `_optimizer_steps` when the last step's first bucket came
     # Set by `register` when there is nothing to add to a plain allreduce (no codec, no hierarchy,
     # no check): DDP's own C++ allreduce runs instead of this hook, with no Python per bucket.
     builtin: bool = False
