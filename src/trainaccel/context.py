@@ -16,15 +16,15 @@ def is_rank_zero() -> bool:
     return dist is None or not dist.is_initialized() or dist.get_rank() == 0
 
 
-def say_once(level: int, message: str) -> None:
-    """Log a fact about the whole job once, from rank 0."""
-    if message not in _said and is_rank_zero():
+def say_once(level: int, message: str, every_rank: bool = False) -> None:
+    """Log a fact about the whole job once, from rank 0 (or a fact about this worker, once, from it)."""
+    if message not in _said and (every_rank or is_rank_zero()):
         _said.add(message)
         log.log(level, message)
 
 
-def warn_once(message: str) -> None:
-    say_once(logging.WARNING, message)
+def warn_once(message: str, every_rank: bool = False) -> None:
+    say_once(logging.WARNING, message, every_rank)
 
 
 def info_once(message: str) -> None:

@@ -1,8 +1,9 @@
 """Plain DDP training that follows the resume recipe in docs/operations.md (fail fast, resume from a checkpoint).
 
-Argv: OUT_DIR STEPS [--fail-at-step N] [--every K]. Steps are numbered 1..STEPS. Rank 0 saves
-OUT_DIR/checkpoint.pt atomically after every K-th step; at start every rank loads it if it exists
-and continues from the step after it. With --fail-at-step N, rank 1 raises at the start of step N
+Argv: OUT_DIR STEPS [--fail-at-step N] [--every K] [--every-rank]. Steps are numbered 1..STEPS.
+Rank 0 saves OUT_DIR/checkpoint.pt atomically after every K-th step (with --every-rank, each rank
+saves OUT_DIR/checkpoint-rank{r}.pt: under a lossy codec each rank's engine state is its own);
+at start every rank loads it if it exists and continues from the step after it. With --fail-at-step N, rank 1 raises at the start of step N
 in the first attempt only (TORCHELASTIC_RESTART_COUNT == "0"). At the end rank 0 writes
 OUT_DIR/final.pt: the final parameters, the checkpoint step it resumed from (0: none) and the steps
 this attempt ran.
@@ -23,13 +24,14 @@ parser.add_argument("out_dir")
 parser.add_argument("steps", type=int)
 parser.add_argument("--fail-at-step", type=int)
 parser.add_argument("--every", type=int, default=2, help="checkpoint every K steps")
+parser.add_argument("--every-rank", action="store_true", help="each rank saves and loads a checkpoint of its own")
 args = parser.parse_args()
 
 BATCH = 8  # per rank
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 dist.init_process_group("gloo")  # under `trainaccel run --max-restarts N`, each attempt gets a fresh store
 rank, world = dist.get_rank(), dist.get_world_size()
-checkpoint_path = os.path.join(args.out_dir, "checkpoint.pt")
+checkpoint_path = os.path.join(args.out_dir, f"checkpoint-rank{rank}.pt" if args.every_rank else "checkpoint.pt")
 
 # Fixed data: the same on every rank and in every attempt.
 g = torch.Generator().manual_seed(0)
@@ -72,7 +74,7 @@ for step in range(start + 1, args.steps + 1):
     optimizer.step()
     ran.append(step)
     if step % args.every == 0:
-        if rank == 0:
+        if rank == 0 or args.every_rank:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
             torch.save(state, checkpoint_path + ".tmp")
             os.replace(checkpoint_path + ".tmp", checkpoint_path)  # a crash never leaves half a file

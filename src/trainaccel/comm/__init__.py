@@ -1,5 +1,6 @@
 """trainaccel's communication engine: DDP hooks, codecs, hierarchy, local steps, and the DDP patch behind `init()`."""
 
+from trainaccel.comm.checkpoint import load_state_dict, state_dict
 from trainaccel.comm.codecs import CastCompression, Codec, ErrorFeedback, NoCompression, RandomK, TopK, get_codec
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.local_steps import LocalSteps
@@ -22,8 +23,10 @@ __all__ = [
     "comm_state",
     "discover",
     "get_codec",
+    "load_state_dict",
     "patch_ddp",
     "register",
+    "state_dict",
     "trainaccel_comm_hook",
     "unpatch_ddp",
 ]

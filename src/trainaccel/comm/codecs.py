@@ -134,21 +134,20 @@ class RandomK:
 
     def __init__(self, ratio: float, seed: int = 0):
         self.ratio, self.seed = ratio, seed
-        self.rounds: dict[Any, list[int]] = {}  # per key: [n, a, b, position in the round]
-        self._draws: dict[Any, random.Random] = {}  # per key: the shared generator of its rounds
+        self.rounds: dict[Any, list[int]] = {}  # per key: [n, a, b, position in the round, rounds drawn]
 
     def _positions(self, n: int, key: Any) -> torch.Tensor:
         k = max(1, math.ceil(n * self.ratio))
         state = self.rounds.get(key)
         if state is None or state[0] != n or state[3] >= n:
-            draw = self._draws.get(key)
-            if draw is None:
-                draw = self._draws[key] = random.Random(f"{self.seed}/{key!r}")  # the same stream on every rank
+            drawn = state[4] if state is not None and state[0] == n else 0
+            # The same draw on every rank; a function of (seed, key, round) only, so plain ints resume it.
+            draw = random.Random(f"{self.seed}/{key!r}/{drawn}")
             a = draw.randrange(1, n) if n > 1 else 1
             while math.gcd(a, n) != 1:
                 a = draw.randrange(1, n)
-            state = self.rounds[key] = [n, a, draw.randrange(n), 0]
-        _, a, b, start = state
+            state = self.rounds[key] = [n, a, draw.randrange(n), 0, drawn + 1]
+        _, a, b, start, _ = state
         stop = min(start + k, n)
         state[3] = stop
         return (torch.arange(start, stop, dtype=torch.int64) * a + b) % n

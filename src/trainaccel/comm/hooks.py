@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import EXACT, NOT_FINITE, start_exchange
 from trainaccel.comm.exit_guard import track
@@ -50,7 +51,8 @@ class CommState:
     codec: Codec
     group: dist.ProcessGroup | None = None  # the engine's copy of it: DDP's own collectives stay apart
     nan_check: str = "off"
-    param_names: dict[int, str] = dataclasses.field(default_factory=dict)
+    param_names: dict[int, str] = dataclasses.field(default_factory=dict)  # id(parameter) -> name, in model order
+    param_index: dict[int, int] = dataclasses.field(default_factory=dict)  # id(parameter) -> its place in that order
     feedback: ErrorFeedback | None = None
     hierarchy: HierarchicalReduce | None = None
     powersgd: PowerSGDState | None = None
@@ -59,6 +61,13 @@ class CommState:
     fallbacks: int = 0  # lossy exchanges that were not finite and were redone exactly
     skipped_steps: int = 0  # steps whose gradients the script did not apply: residuals dropped after them
     optimizer_steps_at_last_step: int = -1  # `_optimizer_steps` when the last step's first bucket came
+    steps_at_start: int = 0  # `steps` when this process began (restored from a checkpoint, or 0)
+    # Per-bucket state follows the parameters a bucket holds (see `trainaccel.comm.buckets`).
+    signatures: dict[int, Signature] = dataclasses.field(default_factory=dict)  # bucket index -> its parameters
+    parked: dict[Signature, dict] = dataclasses.field(default_factory=dict)  # state of buckets not at an index now
+    # A restored checkpoint's buckets by the index they had: its first step is reduced in them (`_realign`).
+    restored_buckets: dict[int, Signature] = dataclasses.field(default_factory=dict)
+    realigning: list = dataclasses.field(default_factory=list)  # that step's buckets until its last one comes
     # Set by `register` when there is nothing to add to a plain allreduce (no codec, no hierarchy,
     # no check): DDP's own C++ allreduce runs instead of this hook, with no Python per bucket.
     builtin: bool = False
@@ -68,6 +77,11 @@ class CommState:
     @property
     def hierarchical(self) -> bool:
         return self.hierarchy is not None
+
+    @property
+    def per_bucket(self) -> bool:
+        """Whether anything is kept per bucket between steps (then it must follow the bucket's parameters)."""
+        return bool(bucket_stores(self))
 
     @property
     def keeps_residuals(self) -> bool:
@@ -93,7 +107,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
 
     The work runs on the engine's communication thread; this returns at once.
     """
-    first_step = state.steps == 0
+    first_here = state.steps == state.steps_at_start  # DDP builds its final buckets after this process's first step
     if bucket.index() == 0 and (state.keeps_residuals or state.powersgd is not None):
         _drop_residuals_after_a_skipped_step(state)
     if bucket.is_last():
@@ -101,18 +115,29 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         if state.comm_wait is not None:
             state.comm_wait.ready = time.perf_counter()
     step, buffer, index = state.steps if bucket.is_last() else state.steps + 1, bucket.buffer(), bucket.index()
-    if buffer.is_sparse:
-        job = timeline.traced("sparse allreduce", index, lambda _: _exact(state, buffer, sparse=True))
-    elif state.powersgd is not None:
-        job = timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))
-    elif first_step and state.keeps_residuals:
-        # DDP may rebuild its buckets in a new parameter order after this step: residuals start after it.
-        job = timeline.traced("allreduce (before DDP's final buckets)", index, lambda _: _exact(state, buffer))
-    elif state.hierarchy is not None:
-        job = lambda _: _hierarchical(state, buffer, index, step)  # noqa: E731 - its stages trace themselves
+    signature = _signature(state, bucket) if state.per_bucket else None
+
+    def job() -> torch.Tensor:
+        if signature is not None:
+            exact_first = first_here and state.keeps_residuals and not holds_state_for(state, index, signature)
+            follow_bucket(state, index, signature)
+        else:
+            exact_first = False
+        if buffer.is_sparse:
+            return timeline.traced("sparse allreduce", index, lambda _: _exact(state, buffer, sparse=True))(None)
+        if state.powersgd is not None:
+            return timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))(None)
+        if exact_first:
+            # DDP may rebuild its buckets in a new parameter order after this step: residuals start after it.
+            return timeline.traced("allreduce (before DDP's final buckets)", index, lambda _: _exact(state, buffer))(None)
+        if state.hierarchy is not None:
+            return _hierarchical(state, buffer, index, step)  # its stages trace themselves
+        return _flat(state, buffer, index, step)  # `exchange` traces its stages
+
+    if first_here and state.restored_buckets and not buffer.is_sparse:
+        fut = _realign(state, bucket, step)
     else:
-        job = lambda _: _flat(state, buffer, index, step)  # noqa: E731 - `exchange` traces its stages
-    fut = comm_thread().submit(lambda: job(None), buffer.device)
+        fut = comm_thread().submit(job, buffer.device)
     if state.comm_wait is not None:
         fut = fut.then(track(state.comm_wait.mark_done))
     if state.nan_check == "off":
@@ -124,6 +149,92 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         return result
 
     return fut.then(track(check))
+
+
+class _Bucket:
+    """A bucket of the engine's making, for torch's PowerSGD hook: what `GradBucket` offers it."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor], last: bool):
+        self._index, self._buffer, self._gradients, self._last = index, buffer, gradients, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futures.Future:
+    """The first step after a checkpoint was restored: reduce the gradients in the checkpoint's buckets.
+
+    DDP's first buckets differ from the ones it rebuilds after a step, which the checkpoint's state
+    is laid out in. So the step's buckets are held until the last one comes; then each of the
+    checkpoint's buckets is assembled from them, reduced as the uninterrupted job would have, and
+    copied back. The step loses its overlap with the backward pass, and the trajectory is exact.
+    """
+    buffer = bucket.buffer()
+    entry = (buffer, [state.param_index.setdefault(id(p), len(state.param_index)) for p in bucket.parameters()],
+             bucket.gradients())  # fmt: skip
+    if not bucket.is_last():
+        fut: torch.futures.Future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else [])
+        state.realigning.append((fut, entry))
+        return fut
+    held, state.realigning = state.realigning, []
+
+    def job() -> torch.Tensor:
+        try:
+            _reduce_in_restored_buckets(state, [e for _, e in held] + [entry], step)
+        except BaseException as e:
+            for fut, _ in held:
+                fut.set_exception(e)
+            raise
+        for fut, (held_buffer, _, _) in held:
+            fut.set_result(held_buffer)
+        return buffer
+
+    return comm_thread().submit(job, buffer.device)
+
+
+def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> None:
+    gradients = {i: g for _, params, grads in entries for i, g in zip(params, grads)}
+    restored, state.restored_buckets = sorted(state.restored_buckets.items()), {}
+    covered = sorted(i for _, signature in restored for i in signature)
+    if covered != sorted(gradients) or len({gradients[i].dtype for i in covered}) > 1:
+        # Not the parameters the checkpoint's buckets hold: this step is reduced as a first step is.
+        warn_once("the restored communication state does not match this model's buckets: the first step after "
+                  "the restart is reduced exactly, and the codec's state is used from the next one")  # fmt: skip
+        for buffer, _, _ in entries:
+            _exact(state, buffer)
+        return
+    for n, (index, signature) in enumerate(restored):
+        flat = torch.cat([gradients[i].reshape(-1) for i in signature])
+        follow_bucket(state, index, signature)
+        if state.powersgd is not None:
+            views, offset = [], 0
+            for i in signature:
+                views.append(flat[offset : offset + gradients[i].numel()].view_as(gradients[i]))
+                offset += gradients[i].numel()
+            result = _powersgd_bucket(state, _Bucket(index, flat, views, n == len(restored) - 1), step)
+        elif state.hierarchy is not None:
+            result = _hierarchical(state, flat, index, step)
+        else:
+            result = _flat(state, flat, index, step)
+        offset = 0
+        for i in signature:
+            gradients[i].copy_(result[offset : offset + gradients[i].numel()].view_as(gradients[i]))
+            offset += gradients[i].numel()
+
+
+def _signature(state: CommState, bucket: dist.GradBucket) -> Signature:
+    """The places of the bucket's parameters in the model (parameters it was not told of get the next ones)."""
+    index = state.param_index
+    return tuple(index.setdefault(id(p), len(index)) for p in bucket.parameters())
 
 
 _optimizer_steps = 0  # optimizer steps taken in this process (torch's global step hook)
@@ -158,7 +269,7 @@ def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
     Off until some optimizer has stepped: an optimizer outside torch.optim would look like it never does.
     """
     seen, state.optimizer_steps_at_last_step = state.optimizer_steps_at_last_step, _optimizer_steps
-    if _optimizer_steps == 0 or seen != _optimizer_steps or state.steps == 0:
+    if _optimizer_steps == 0 or seen != _optimizer_steps or state.steps == state.steps_at_start:
         return
     state.skipped_steps += 1
     feedbacks = [state.feedback] + ([state.hierarchy.feedback, state.hierarchy.intra_feedback] if state.hierarchy else [])
@@ -167,6 +278,9 @@ def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
             feedback.clear(key)
     if state.powersgd is not None:
         state.powersgd.error_dict.clear()
+    for entries in state.parked.values():
+        for name in LOCAL_STORES:
+            entries.pop(name, None)
     warn_once("a step's gradients were reduced but no optimizer stepped on them (skipped by the script, or "
               "accumulated without no_sync()): the codec's residuals are dropped after such a step so that "
               "nothing of a discarded gradient reaches later steps")  # fmt: skip

@@ -8,10 +8,11 @@ import inspect
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainaccel.comm import failfast
+from trainaccel.comm import checkpoint, failfast
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
@@ -27,6 +28,7 @@ from trainaccel.monitor import timeline
 log = logging.getLogger("trainaccel")
 
 _original_init = None
+_original_load_state_dict = None
 _config: Config | None = None
 
 
@@ -56,6 +58,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait)
         ddp_model.register_comm_hook(tuner, autotune_comm_hook)
         ddp_model.trainaccel_state = tuner
+        _keep_in_checkpoints(ddp_model)
         return tuner
     state = build_state(ddp_model.process_group, config, param_names, comm_wait)
     if _nothing_to_add(state, config):
@@ -67,7 +70,14 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     else:
         ddp_model.register_comm_hook(state, trainaccel_comm_hook)
     ddp_model.trainaccel_state = state
+    _keep_in_checkpoints(ddp_model)
     return state
+
+
+def _keep_in_checkpoints(ddp_model: DistributedDataParallel) -> None:
+    """The model's state_dict() carries the engine's state from now on; state loaded before now is applied."""
+    checkpoint.attach(ddp_model)
+    checkpoint.apply_pending(ddp_model)
 
 
 def _nothing_to_add(state: CommState, config: Config) -> bool:
@@ -106,7 +116,8 @@ def build_state(process_group: Any, config: Config, param_names: dict[int, str] 
                 comm_wait: CommWait | None = None) -> CommState:  # fmt: skip
     """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies."""
     state = CommState(process_group=process_group, codec=NoCompression(), group=engine_group(process_group),
-                      nan_check=config.nan_check, param_names=param_names or {}, comm_wait=comm_wait)  # fmt: skip
+                      nan_check=config.nan_check, param_names=param_names or {}, comm_wait=comm_wait,
+                      param_index={pid: i for i, pid in enumerate(param_names or {})})  # fmt: skip
     if config.compression == "powersgd":
         state.powersgd = powersgd_state(state.group, config.powersgd_rank)
         if config.hierarchical == "on":
@@ -165,10 +176,13 @@ def bytes_per_step(ddp_model: DistributedDataParallel, sent_before: int | None =
 
 def patch_ddp(config: Config) -> None:
     """Every DDP model constructed from now on gets trainaccel's hook for `config` (idempotent)."""
-    global _original_init, _config
+    global _original_init, _original_load_state_dict, _config
     _config = config
     if _original_init is not None:
         return
+    # A checkpoint is often loaded into the module before DDP wraps it: keep its engine state for the wrap.
+    _original_load_state_dict = torch.nn.Module.load_state_dict
+    torch.nn.Module.load_state_dict = checkpoint.restoring_load_state_dict(_original_load_state_dict)
     original = DistributedDataParallel.__init__
     signature = inspect.signature(original)
 
@@ -180,6 +194,7 @@ def patch_ddp(config: Config) -> None:
             if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
                 kwargs["bucket_cap_mb"] = config.bucket_mb
         original(self, *args, **kwargs)
+        checkpoint.attach(self)  # before the hook exists: a checkpoint loaded now waits for it
         if config is not None and config.amp != "off":
             from trainaccel.amp.ddp import enable_amp
 
@@ -201,10 +216,12 @@ def patch_ddp(config: Config) -> None:
 
 def unpatch_ddp() -> None:
     """Undo `patch_ddp`; models built afterwards are plain DDP again."""
-    global _original_init, _config
+    global _original_init, _original_load_state_dict, _config
     if _original_init is not None:
         DistributedDataParallel.__init__ = _original_init
-    _original_init, _config = None, None
+    if _original_load_state_dict is not None:
+        torch.nn.Module.load_state_dict = _original_load_state_dict
+    _original_init, _original_load_state_dict, _config = None, None, None
     unwatch_optimizer_steps()
 
 

@@ -1,0 +1,235 @@
+"""The engine's state in checkpoints: `state_dict(model)` / `load_state_dict(model, state)`.
+
+What a lossy codec keeps between steps (residuals, randomk's rounds, PowerSGD's factors, the
+autotuner's choice) is part of the training trajectory: a job that restarts without it does not
+resume where it stopped. Under `trainaccel.init()` the model's own `state_dict()` carries it (in
+the state dict's metadata, so every strict load still matches) and `load_state_dict()` on the
+model, or on its module before DDP wraps it, brings it back.
+
+Residuals are this rank's own: a checkpoint saved on rank 0 alone restores them on rank 0 only,
+and the other ranks start theirs empty (they say so once). Save on every rank for an exact resume.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainaccel.comm.autotune import Autotuner
+from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all
+from trainaccel.comm.hooks import CommState
+from trainaccel.context import warn_once
+
+FORMAT = 1
+METADATA_KEY = "trainaccel_comm"  # in the metadata of the DDP model's module, next to torch's "version"
+_PENDING = "_trainaccel_comm_loaded"  # on a module: engine state loaded before its hook was registered
+
+
+def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
+    """This rank's engine state for a DDP model ({} when the engine keeps none): pass it to `load_state_dict`.
+
+    Tensors are the live ones, as in a model's `state_dict()`: save or copy it before training on.
+    """
+    state = getattr(ddp_model, "trainaccel_state", None)
+    if state is None:
+        return dict(getattr(_module(ddp_model), _PENDING, None) or {})  # loaded, not applied yet: kept as it came
+    if isinstance(state, Autotuner):
+        saved = {label: _comm_state_dict(c.state) for label, c in ((c.label, c) for c in state.candidates)}
+        return {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "autotune": {"chosen": state.chosen.label if state.chosen is not None else None, "candidates": saved}}  # fmt: skip
+    if getattr(state, "builtin", False):
+        return {}
+    return {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size(), **_comm_state_dict(state)}
+
+
+def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    """Restore what `state_dict` returned; before the hook is registered it waits for it (zero-code mode)."""
+    if not saved:
+        return
+    if saved.get("format") != FORMAT:
+        raise ValueError(f"trainaccel.comm state of format {saved.get('format')!r}; this version reads format {FORMAT}")
+    state = getattr(ddp_model, "trainaccel_state", None)
+    if state is None:
+        setattr(_module(ddp_model), _PENDING, saved)
+        return
+    local = _local_part_applies(saved)
+    if isinstance(state, Autotuner):
+        tuned = saved.get("autotune")
+        if tuned is None:
+            warn_once("the checkpoint's communication state is not an autotuner's (autotune was off): not restored")
+            return
+        by_label = {c.label: c for c in state.candidates}
+        for label, candidate_saved in tuned["candidates"].items():
+            if label in by_label:
+                _load_comm_state(by_label[label].state, candidate_saved, local)
+        if tuned["chosen"] in by_label:
+            state.chosen = by_label[tuned["chosen"]]
+        return
+    if "autotune" in saved:
+        warn_once("the checkpoint's communication state is an autotuner's, and autotune is off now: not restored")
+        return
+    if not getattr(state, "builtin", False):
+        _load_comm_state(state, saved, local)
+
+
+def apply_pending(ddp_model: torch.nn.Module) -> None:
+    """Restore engine state loaded into the model before its hook existed (call once the hook is registered)."""
+    saved = _module(ddp_model).__dict__.pop(_PENDING, None)
+    if saved:
+        load_state_dict(ddp_model, saved)
+
+
+def attach(ddp_model: torch.nn.Module) -> None:
+    """Let the model's own `state_dict()` carry the engine's state (idempotent)."""
+    module = _module(ddp_model)
+    if getattr(module, "_trainaccel_comm_saver", None) is not None:
+        return
+    ref = weakref.ref(ddp_model)
+    module._trainaccel_ddp = ref  # a load into the module reaches the engine state of the DDP model around it
+
+    def save(module: torch.nn.Module, destination: dict, prefix: str, local_metadata: dict) -> None:
+        model = ref()
+        saved = state_dict(model) if model is not None else {}
+        if saved:
+            local_metadata[METADATA_KEY] = saved
+
+    module._trainaccel_comm_saver = module.register_state_dict_post_hook(save)
+
+
+def restoring_load_state_dict(original: Any) -> Any:
+    """`Module.load_state_dict` that also keeps the engine state a state dict's metadata carries, for its module."""
+
+    @functools.wraps(original)
+    def load(self: torch.nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, state_dict, *args, **kwargs)
+        for path, metadata in (getattr(state_dict, "_metadata", None) or {}).items():
+            saved = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+            if saved:
+                try:
+                    target = self.get_submodule(path)
+                except AttributeError:
+                    continue
+                load_state_dict(_ddp_of(target), saved)
+        return result
+
+    return load
+
+
+def _module(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _ddp_of(module: torch.nn.Module) -> torch.nn.Module:
+    """The DDP model wrapping `module` if it already has engine state, else `module` (restored when wrapped)."""
+    owner = getattr(module, "_trainaccel_ddp", None)
+    owner = owner() if owner is not None else None
+    return owner if owner is not None else module
+
+
+def _local_part_applies(saved: dict[str, Any]) -> bool:
+    """Whether the checkpoint's residuals are this rank's (saved by this rank, in a job of this size)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if saved.get("rank") == rank and saved.get("world_size") == world:
+        return True
+    why = (f"it was saved by rank {saved.get('rank')}" if saved.get("world_size") == world
+           else f"it was saved in a job of {saved.get('world_size')} workers, this one has {world}")  # fmt: skip
+    warn_once(f"the checkpoint's communication state is not this rank's ({why}): this rank's residuals start "
+              "empty, which costs a little of the compressed gradients' history; save the model on every rank "
+              "for an exact resume", every_rank=True)  # fmt: skip
+    return False
+
+
+def _comm_state_dict(state: CommState) -> dict[str, Any]:
+    names = list(state.param_names.values())
+    buckets: dict[tuple, dict] = {signature: {k: dict(v) for k, v in entries.items()}
+                                  for signature, entries in state.parked.items()}  # fmt: skip
+    at = {signature: index for index, signature in state.signatures.items()}
+    at.update({signature: index for index, signature in state.restored_buckets.items()})
+    for signature in at:
+        buckets.setdefault(signature, {})
+    for name, store in bucket_stores(state).items():
+        for key, value in store.items():
+            index, rest = key if isinstance(key, tuple) else (key, None)
+            signature = state.signatures.get(index)
+            if signature is not None:
+                buckets.setdefault(signature, {}).setdefault(name, {})[rest] = value
+    saved: dict[str, Any] = {
+        "compression": _compression(state),
+        "hierarchical": state.hierarchy is not None,
+        "counters": {"steps": state.steps, "fallbacks": state.fallbacks, "skipped_steps": state.skipped_steps,
+                     "flat_bytes_sent": state.flat_bytes_sent},  # fmt: skip
+        "buckets": [
+            {"params": [names[i] if i < len(names) else f"#{i}" for i in signature], "index": at.get(signature, -1),
+             **{name: [[rest, _copy(value)] for rest, value in entries.items()] for name, entries in stores.items()}}
+            for signature, stores in buckets.items()
+        ],  # fmt: skip
+    }
+    if state.hierarchy is not None:
+        saved["counters"]["hierarchy_bytes_sent"] = state.hierarchy.bytes_sent
+        saved["counters"]["intra_bytes_sent"] = state.hierarchy.intra_bytes_sent
+    if state.powersgd is not None:
+        p = state.powersgd
+        kind, key, pos, has_gauss, cached = p.rng.get_state()
+        saved["powersgd"] = {
+            "iter": p.iter, "rng": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached],
+            "total_numel_before_compression": p.total_numel_before_compression,
+            "total_numel_after_compression": p.total_numel_after_compression,
+        }  # fmt: skip
+    return saved
+
+
+def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> None:
+    if saved.get("compression") != _compression(state) or saved.get("hierarchical") != (state.hierarchy is not None):
+        warn_once(f"the checkpoint's communication state is for compression={saved.get('compression')} "
+                  f"(hierarchical: {saved.get('hierarchical')}), this run uses compression={_compression(state)} "
+                  f"(hierarchical: {state.hierarchy is not None}): not restored")  # fmt: skip
+        return
+    counters = saved["counters"]
+    state.steps = state.steps_at_start = counters["steps"]
+    state.fallbacks, state.skipped_steps = counters["fallbacks"], counters["skipped_steps"]
+    state.flat_bytes_sent = counters["flat_bytes_sent"]
+    if state.hierarchy is not None:
+        state.hierarchy.bytes_sent = counters.get("hierarchy_bytes_sent", 0)
+        state.hierarchy.intra_bytes_sent = counters.get("intra_bytes_sent", 0)
+    if state.powersgd is not None and "powersgd" in saved:
+        p, s = state.powersgd, saved["powersgd"]
+        p.iter = s["iter"]
+        p.total_numel_before_compression = s["total_numel_before_compression"]
+        p.total_numel_after_compression = s["total_numel_after_compression"]
+        kind, key, pos, has_gauss, cached = s["rng"]
+        p.rng.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+    # Whatever the engine held goes; the checkpoint's buckets wait, parked, for the indices DDP gives them.
+    park_all(state)
+    state.parked.clear()
+    state.restored_buckets.clear()
+    index_of = {name: i for i, name in enumerate(state.param_names.values())}
+    unknown = []
+    for bucket in saved["buckets"]:
+        params = bucket["params"]
+        if not all(name in index_of for name in params):
+            unknown.extend(name for name in params if name not in index_of)
+            continue
+        entries = {name: {rest: value for rest, value in pairs} for name, pairs in bucket.items()
+                   if name not in ("params", "index") and (local or name not in LOCAL_STORES)}  # fmt: skip
+        signature = tuple(index_of[name] for name in params)
+        state.parked[signature] = entries
+        if bucket["index"] >= 0:
+            state.restored_buckets[bucket["index"]] = signature
+    if unknown:
+        warn_once(f"the checkpoint's communication state names parameters this model does not have "
+                  f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): their buckets start empty")  # fmt: skip
+
+
+def _compression(state: CommState) -> str:
+    return "powersgd" if state.powersgd is not None else state.codec.name
+
+
+def _copy(value: Any) -> Any:
+    """Lists (randomk's round) are copied, tensors kept live as a model's state_dict() keeps them."""
+    return list(value) if isinstance(value, list) else value
