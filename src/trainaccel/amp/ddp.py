@@ -3,14 +3,17 @@
 With `amp_policy` other than `always`, a per-step `PrecisionPolicy` decides from what this
 module observes of the training loop: optimizer steps and learning rate (a global optimizer
 hook) and the loss (the scalar that `.backward()` is called on). fp16 needs loss scaling:
-`trainaccel.amp.scaled(optimizer)` is the one line that adds it.
+`trainaccel.amp.scaled(optimizer)` is the one line that adds it; the script's gradient clipping
+and learning-rate schedulers then work as they would without scaling.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from trainaccel.amp.policy import PrecisionPolicy, zero_code_policy
 from trainaccel.config import Config
-from trainaccel.context import is_rank_zero, warn_once
+from trainaccel.context import info_once, is_rank_zero, warn_once
 
 log = logging.getLogger("trainaccel")
 
@@ -48,7 +51,15 @@ class _Observed:
     scaled: bool = False  # a scaled loss was backpropagated since the last optimizer step
     update_due: bool = False  # the scaler stepped an optimizer: update it before the next iteration
     in_scaler_step: bool = False
-    hooks: list[Any] = field(default_factory=list)
+    # Every optimizer under scaled() -> the steps its scaler skipped, and its steps when it was scaled.
+    skipped: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    scaled_at: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    unscaled: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # unscaled or stepped since the update
+    # scheduler -> its optimizer's (steps, skipped) when the scheduler last advanced
+    advanced: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    found_inf: torch.Tensor | None = None  # what GradScaler handed a fused optimizer's step
+    hooks: list[Any] = field(default_factory=list)  # handles of the global optimizer hooks
+    patches: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, name, original) to restore
 
     @property
     def step(self) -> int:
@@ -58,6 +69,7 @@ class _Observed:
         """`GradScaler.update()` once per iteration, after every scaled optimizer has stepped."""
         if self.update_due:
             self.scaler.update()
+            self.unscaled.clear()  # update() readies every optimizer for unscale_ again
             self.update_due = self.scaled = False
 
 
@@ -173,21 +185,36 @@ def scaled(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
     elif scaler is not None and scaler is not _observed.scaler:
         raise ValueError("every optimizer shares one GradScaler (the loss is scaled once): pass the same scaler or none")
     _observe_training_loop()
+    _observed.skipped[optimizer] = 0
+    _observed.scaled_at[optimizer] = _observed.steps.get(optimizer, 0)
     original_step = optimizer.step
 
-    @functools.wraps(original_step)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if _observed.in_scaler_step or not _observed.scaled:
-            return original_step(*args, **kwargs)  # GradScaler calling back, or gradients not scaled
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if _observed.in_scaler_step:  # GradScaler calling back; a fused optimizer gets found_inf to skip by
+            _observed.found_inf = getattr(self, "found_inf", None)
+            return original_step(*args, **kwargs)
+        if not _observed.scaled:
+            return original_step(*args, **kwargs)
+        steps, _observed.found_inf = _observed.steps.get(self, 0), None
         _observed.in_scaler_step = True
         try:
-            result = _observed.scaler.step(optimizer, *args, **kwargs)
+            result = _observed.scaler.step(self, *args, **kwargs)
         finally:
             _observed.in_scaler_step = False
         _observed.update_due = True
+        _observed.unscaled.add(self)
+        if _observed.steps.get(self, 0) == steps:  # GradScaler found inf/NaN and did not call the step
+            _observed.skipped[self] += 1
+        elif _observed.found_inf is not None and _observed.found_inf.item():  # a fused step that skipped itself
+            _observed.steps[self] -= 1
+            _observed.skipped[self] += 1
         return result
 
-    optimizer.step = step
+    # A bound method, as torch's schedulers expect (they wrap `optimizer.step.__func__`); the
+    # copied attributes keep a scheduler's mark that it already wrapped the step.
+    functools.update_wrapper(step, original_step)
+    del step.__wrapped__  # its signature is not the bound original's
+    optimizer.step = types.MethodType(step, optimizer)
     optimizer.trainaccel_scaler = _observed.scaler
     return optimizer
 
@@ -221,17 +248,131 @@ def _observe_training_loop() -> None:
                 self = _observed.scaler.scale(self)
         return original_backward(self, gradient, *args, **kwargs)
 
-    torch.Tensor.backward = backward
-    hooks = [register_optimizer_step_pre_hook(before_step), register_optimizer_step_post_hook(after_step)]
-    _observed.hooks = [*hooks, original_backward]
+    _patch(torch.Tensor, "backward", backward)
+    _patch_clipping()
+    _patch_schedulers()
+    _observed.hooks = [register_optimizer_step_pre_hook(before_step), register_optimizer_step_post_hook(after_step)]
+
+
+def _patch(owner: Any, name: str, new: Any) -> None:
+    """Set `owner.name` to `new`, remembering the original for `reset()`."""
+    _observed.patches.append((owner, name, vars(owner)[name]))
+    setattr(owner, name, new)
+
+
+def _patch_clipping() -> None:
+    """Unscale the gradients before the script clips them, wherever it reaches the clipping functions."""
+    from torch.nn.utils import clip_grad
+
+    # clip_grad_norm_ calls the module's _get_total_norm and _clip_grads_with_norm_ (public as
+    # get_total_norm and clip_grads_with_norm_): patching those too catches a clip_grad_norm_
+    # that the script imported by name before the patch.
+    targets = {  # the function -> whether it takes gradients (else parameters)
+        getattr(clip_grad, name): takes_grads
+        for name, takes_grads in [("clip_grad_norm_", False), ("clip_grad_value_", False),
+                                  ("_clip_grads_with_norm_", False), ("_get_total_norm", True)]
+        if hasattr(clip_grad, name)
+    }  # fmt: skip
+    wrappers = {id(clip): _unscaling(clip, takes_grads) for clip, takes_grads in targets.items()}
+    for module in (torch.nn.utils, clip_grad):
+        for name, value in list(vars(module).items()):
+            if id(value) in wrappers:
+                _patch(module, name, wrappers[id(value)])
+
+
+def _unscaling(clip: Any, takes_grads: bool) -> Any:
+    """`clip`, first unscaling the gradients of its tensors (parameters, or gradients if `takes_grads`)."""
+    first = next(iter(inspect.signature(clip).parameters))
+
+    @functools.wraps(clip)
+    def unscaling_clip(*args: Any, **kwargs: Any) -> Any:
+        if _observed.scaled and _observed.scaler is not None:
+            tensors = args[0] if args else kwargs[first]
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # iterated twice
+            if args:
+                args = (tensors, *args[1:])
+            else:
+                kwargs[first] = tensors
+            _unscale_holders(tensors, takes_grads)
+        return clip(*args, **kwargs)
+
+    return unscaling_clip
+
+
+def _unscale_holders(tensors: list[torch.Tensor], are_grads: bool) -> None:
+    """`GradScaler.unscale_` each scaled optimizer holding `tensors` and not unscaled this iteration."""
+    holders = {}
+    for optimizer in list(_observed.skipped.keys()):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                key = p.grad if are_grads else p
+                if key is not None:
+                    holders[id(key)] = optimizer
+    pending, strangers = {}, 0
+    for tensor in tensors:
+        if not are_grads and tensor.grad is None:
+            continue
+        optimizer = holders.get(id(tensor))
+        if optimizer is not None:
+            pending[optimizer] = None
+        elif not are_grads:  # get_total_norm also measures tensors that are no gradients
+            strangers += 1
+    if strangers:
+        raise RuntimeError(
+            f"gradient clipping under amp=fp16: the gradients are loss-scaled and {strangers} of these parameters "
+            "belong to no optimizer passed to trainaccel.amp.scaled(), so they cannot be unscaled first: "
+            "pass their optimizer to trainaccel.amp.scaled() before training"
+        )
+    for optimizer in pending:
+        if optimizer in _observed.unscaled:
+            continue
+        try:
+            _observed.scaler.unscale_(optimizer)
+        except RuntimeError:
+            # GradScaler refuses a second unscale_ per update: the script called it itself, as the
+            # plain recipe does. Any other failure recurs in the scaler's step.
+            pass
+        _observed.unscaled.add(optimizer)
+
+
+def _patch_schedulers() -> None:
+    """A scheduler advances only with real steps of its optimizer, not with those the scaler skipped."""
+    from torch.optim import lr_scheduler
+
+    # Patched on every class that overrides step (ReduceLROnPlateau, SequentialLR, ...), since
+    # those do not call LRScheduler.step.
+    for cls in list(vars(lr_scheduler).values()):
+        if isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler) and "step" in vars(cls):
+            _patch(cls, "step", _in_step_with_optimizer(vars(cls)["step"]))
+
+
+def _in_step_with_optimizer(original_step: Any) -> Any:
+    """A scheduler's `original_step`, skipped while its optimizer has only skipped steps since the last one."""
+
+    @functools.wraps(original_step)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or optimizer not in _observed.skipped:  # not under scaled()
+            return original_step(self, *args, **kwargs)
+        now = (_observed.steps.get(optimizer, 0), _observed.skipped[optimizer])
+        # Unseen schedulers compare with the optimizer when it was scaled: the initial step at
+        # construction runs, and so does a per-epoch step after any real step in the epoch.
+        steps, skipped = _observed.advanced.get(self, (_observed.scaled_at.get(optimizer, 0), 0))
+        if now[0] == steps and now[1] > skipped:
+            info_once("amp=fp16: a learning-rate scheduler step was skipped along with its optimizer's "
+                      "(inf/NaN gradients): schedulers advance with real optimizer steps only")  # fmt: skip
+            return None
+        _observed.advanced[self] = now
+        return original_step(self, *args, **kwargs)
+
+    return step
 
 
 def reset() -> None:
-    """Forget every observation and undo the global hooks (tests, and a fresh `init()` in one process)."""
+    """Forget every observation and undo every patch and global hook (tests, and a fresh `init()` in one process)."""
     global _observed
-    if _observed.hooks:
-        *handles, original_backward = _observed.hooks
-        for handle in handles:
-            handle.remove()
-        torch.Tensor.backward = original_backward
+    for handle in _observed.hooks:
+        handle.remove()
+    for owner, name, original in reversed(_observed.patches):
+        setattr(owner, name, original)
     _observed = _Observed()
