@@ -32,7 +32,7 @@ def test_values_are_normalised():
         ({}, {}, {"compression_ratio": "1.5"}, "invalid compression_ratio='1.5' (from --compression-ratio); accepted: a number in (0, 1]"),
         ({}, {"TRAINACCEL_POWERSGD_RANK": "0"}, {}, "invalid powersgd_rank='0' (from TRAINACCEL_POWERSGD_RANK); accepted: an integer >= 1"),
         ({"powersgd_rank": 2.5}, {}, {}, "invalid powersgd_rank=2.5 (from keyword); accepted: an integer >= 1"),
-        ({"fp16_scale": "inf"}, {}, {}, "invalid fp16_scale='inf' (from keyword); accepted: a number > 0"),
+        ({"fp16_scale": "inf"}, {}, {}, "invalid fp16_scale='inf' (from keyword); accepted: dynamic, or a number > 0 (a fixed scale)"),
         ({"compression_momentum": -0.1}, {}, {}, "invalid compression_momentum=-0.1 (from keyword); accepted: a number in [0, 1]"),
         ({"local_steps": "0"}, {}, {}, "invalid local_steps='0' (from keyword); accepted: an integer >= 1"),
         ({}, {"TRAINACCEL_INTRA_COMPRESSION": "topk"}, {}, "invalid intra_compression='topk' (from TRAINACCEL_INTRA_COMPRESSION); accepted: none, fp16, bf16"),

@@ -94,6 +94,18 @@ def _number(kind: type, low: float, high: float, *, low_open: bool = False) -> C
     return parse
 
 
+def _fp16_scale(name: str, raw: Any) -> float | str:
+    if isinstance(raw, str) and raw.strip().lower() == "dynamic":
+        return "dynamic"
+    try:
+        return _number(float, 0.0, float("inf"), low_open=True)(name, raw)
+    except ConfigError:
+        raise ConfigError(name, raw, _fp16_scale.accepted) from None  # type: ignore[attr-defined]
+
+
+_fp16_scale.accepted = "dynamic, or a number > 0 (a fixed scale)"  # type: ignore[attr-defined]
+
+
 def _amp_policy(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if value.lower() in ("", "always"):
@@ -146,10 +158,11 @@ class Config:
         _number(float, 0.0, 1.0),
         "momentum correction for topk and randomk (use with a momentum-free optimizer, e.g. 0.9)",
     )
-    fp16_scale: float = _option(
-        1.0,
-        _number(float, 0.0, float("inf"), low_open=True),
-        "gradients are multiplied by this before the fp16 cast and divided after; lower it on overflow",
+    fp16_scale: float | str = _option(
+        "dynamic",
+        _fp16_scale,
+        "gradients are multiplied by this before the fp16 cast and divided after; dynamic: halved after an "
+        "overflow, doubled after 2000 steps without one, per bucket",
     )
     powersgd_rank: int = _option(
         2,

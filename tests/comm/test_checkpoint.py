@@ -5,23 +5,14 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainaccel.comm as comm
-from trainaccel.comm import failfast
 from trainaccel.comm.buckets import follow_bucket
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    failfast.stop_heartbeat()
-    comm.unpatch_ddp()  # and the optimizer-step hook that register() installs
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")
 
 
 def trained(compression: str, steps: int = 3, model: nn.Module | None = None) -> DDP:

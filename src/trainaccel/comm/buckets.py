@@ -27,10 +27,11 @@ def bucket_stores(state: Any) -> dict[str, dict]:
     )):  # fmt: skip
         if feedback is not None:
             stores[f"{prefix}residual"], stores[f"{prefix}velocity"] = feedback.residuals, feedback.velocities
-    for name, codec in (("rounds", state.codec), ("intra_rounds", getattr(state.hierarchy, "intra_codec", None))):
-        rounds = getattr(codec, "rounds", None)
-        if rounds is not None:
-            stores[name] = rounds
+    for prefix, codec in (("", state.codec), ("intra_", getattr(state.hierarchy, "intra_codec", None))):
+        for store in ("rounds", "scales"):  # randomk's round, a dynamic fp16 scale
+            values = getattr(codec, store, None)
+            if values is not None:
+                stores[f"{prefix}{store}"] = values
     if state.powersgd is not None:
         powersgd = state.powersgd
         stores["powersgd_error"] = powersgd.error_dict

@@ -41,22 +41,48 @@ class NoCompression:
 
 
 class CastCompression:
-    """Send the buffer in a narrower float dtype, times `scale`; restore dtype and scale after."""
+    """Send the buffer in a narrower float dtype, times a scale; restore dtype and scale after.
+
+    `scale="dynamic"` keeps a scale per buffer (by `key`), as GradScaler does for a loss: it starts
+    at 1, halves when a sum overflowed (`overflowed`), doubles after `GROWTH_INTERVAL` clean sums.
+    """
 
     summable, lossy = True, True
+    GROWTH_INTERVAL, LOWEST, HIGHEST = 2000, 2.0**-24, 2.0**24
 
-    def __init__(self, name: str, dtype: torch.dtype, scale: float = 1.0):
-        self.name, self.dtype, self.scale = name, dtype, scale
+    def __init__(self, name: str, dtype: torch.dtype, scale: float | str = 1.0):
+        self.name, self.dtype = name, dtype
+        self.dynamic = scale == "dynamic"
+        self.scale = 1.0 if self.dynamic else float(scale)
+        # Per key: [scale, sums since the last change]; equal on every rank (every rank sees the same sums).
+        self.scales: dict[Any, list] | None = {} if self.dynamic else None
+
+    def scale_for(self, key: Any) -> float:
+        if self.scales is None:
+            return self.scale
+        entry = self.scales.setdefault(key, [1.0, 0])
+        entry[1] += 1
+        if entry[1] > self.GROWTH_INTERVAL and entry[0] < self.HIGHEST:
+            entry[0], entry[1] = entry[0] * 2.0, 1
+        return entry[0]
+
+    def overflowed(self, key: Any) -> None:
+        """A sum of `key`'s payloads was not finite: halve its scale (dynamic only)."""
+        if self.scales is not None:
+            entry = self.scales.setdefault(key, [1.0, 0])
+            entry[0], entry[1] = max(self.LOWEST, entry[0] / 2.0), 0
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
-        if self.scale != 1.0:
-            return (tensor * self.scale).to(self.dtype), tensor.dtype
+        scale = self.scale_for(key)
+        if scale != 1.0:
+            return (tensor * scale).to(self.dtype), (tensor.dtype, scale)
         # A copy even when the buffer already has this dtype (a float16 model): never the buffer itself.
-        return tensor.to(self.dtype, copy=True), tensor.dtype
+        return tensor.to(self.dtype, copy=True), (tensor.dtype, scale)
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        out = payload.to(ctx)
-        return out.div_(self.scale) if self.scale != 1.0 else out
+        dtype, scale = ctx
+        out = payload.to(dtype)
+        return out.div_(scale) if scale != 1.0 else out
 
 
 class TopK:
@@ -178,7 +204,7 @@ class RandomK:
 CODECS = ("none", "fp16", "bf16", "topk", "randomk")
 
 
-def get_codec(name: str, *, ratio: float = 0.01, fp16_scale: float = 1.0, seed: int = 0) -> Codec:
+def get_codec(name: str, *, ratio: float = 0.01, fp16_scale: float | str = 1.0, seed: int = 0) -> Codec:
     """The codec for a `compression` value (`powersgd` is a hook of its own, not a codec)."""
     if name == "none":
         return NoCompression()

@@ -81,6 +81,7 @@ class Pending:
             self.trace.span(self.collective, self.issued, arrived, timeline.bucket_track(self.key), bytes=self.sent)
         # Every rank holds the same summed or gathered payloads, so every rank decides alike.
         if self.codec.lossy and not all(bool(_values(self.codec, part).isfinite().all()) for part in self.parts):
+            note_overflow(self.codec, self.key)
             return self._exact()
         total = decode(self.codec, self.parts, self.ctx, self.out)
         if self.trace is not None:
@@ -95,6 +96,13 @@ class Pending:
         dist.all_reduce(exact, group=self.group)
         fallback = EXACT if bool(exact.isfinite().all()) else NOT_FINITE
         return Outcome(exact, self.sent + exact.numel() * exact.element_size(), fallback)
+
+
+def note_overflow(codec: Codec, key: Any) -> None:
+    """Tell a codec with a dynamic scale that a sum of `key`'s payloads was not finite."""
+    overflowed = getattr(codec, "overflowed", None)
+    if overflowed is not None:
+        overflowed(key)
 
 
 def _values(codec: Codec, payload: torch.Tensor) -> torch.Tensor:

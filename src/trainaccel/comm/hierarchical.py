@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression
-from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_gather_single, reduce_scatter_single, start_exchange
+from trainaccel.comm.exchange import (EXACT, NOT_FINITE, all_gather_single, note_overflow, reduce_scatter_single,
+                                      start_exchange)
 from trainaccel.comm.topology import Topology
 from trainaccel.monitor import timeline
 
@@ -109,6 +110,7 @@ class HierarchicalReduce:
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
             if self.intra_codec.lossy and not bool(payload.isfinite().all()):
                 # The whole node sees this sum: every worker of it retries exactly, alike.
+                note_overflow(self.intra_codec, key)
                 if self.intra_feedback is not None:
                     self.intra_feedback.clear(key)
                 dist.all_reduce(padded, group=group)
@@ -139,6 +141,7 @@ class HierarchicalReduce:
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
             fallback = None
             if self.intra_codec.lossy and not bool(gathered.isfinite().all()):
+                note_overflow(self.intra_codec, key)
                 exact = shard.new_empty(shard.numel() * local_size)
                 all_gather_single(exact, shard.contiguous(), group=group)
                 result, fallback = exact, ("in the node's gather", _which(exact))
