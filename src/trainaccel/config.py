@@ -146,7 +146,7 @@ class Config:
         "auto",
         _choice("auto", "on", "off", booleans=("on", "off")),
         "two-level allreduce: reduce-scatter in the node, allreduce across nodes, all-gather in the node; "
-        "auto: on with >1 node, >1 worker per node and a dense codec (none, fp16, bf16)",
+        "auto: on with Gloo, >1 node, >1 worker per node and a dense codec (none, fp16, bf16)",
     )
     compression_ratio: float = _option(
         0.01,

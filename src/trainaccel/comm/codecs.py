@@ -131,7 +131,9 @@ class TopK:
 
     def _top_indices(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
         n = magnitude.numel()
-        if k * 8 > n or n < 65536:
+        # On a GPU torch's top-k is fast, and the sampled threshold below would stop the host on
+        # every bucket (`.item()`, `nonzero()`): it is a CPU shortcut only.
+        if k * 8 > n or n < 65536 or magnitude.device.type != "cpu":
             return magnitude.topk(k, sorted=False).indices
         # A full top-k over millions of elements is slow on CPU. Estimate a threshold from a
         # sample that lets through about 2k candidates, then take the exact top-k of those.

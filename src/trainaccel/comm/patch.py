@@ -110,6 +110,9 @@ def build_autotuner(process_group: Any, config: Config, param_names: dict[int, s
 
 
 DENSE_CODECS = ("none", "fp16", "bf16")
+# hierarchical=auto turns the hierarchy on for Gloo only, where it was measured faster over
+# emulated nodes (docs/BENCHMARKS.md). NCCL's own rings and trees already follow the topology, and
+# the two-level form was not measured against them: there `on`, or autotune=on, which times both.
 
 
 def build_state(process_group: Any, config: Config, param_names: dict[int, str] | None = None,
@@ -127,7 +130,8 @@ def build_state(process_group: Any, config: Config, param_names: dict[int, str] 
     if state.codec.lossy:
         sparse = config.compression in ("topk", "randomk")
         state.feedback = ErrorFeedback(config.compression_momentum if sparse else 0.0)
-    wanted = config.hierarchical == "on" or (config.hierarchical == "auto" and config.compression in DENSE_CODECS)
+    wanted = config.hierarchical == "on" or (config.hierarchical == "auto" and config.compression in DENSE_CODECS
+                                             and dist.get_backend(state.group) == "gloo")  # fmt: skip
     topology = discover(process_group) if wanted else None
     why_flat = topology.why_flat() if topology is not None else None
     if topology is not None and why_flat is None:
