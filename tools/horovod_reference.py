@@ -2,13 +2,16 @@
 
     python tools/horovod_reference.py HOROVOD_SRC [--nproc 2] [-k EXPR] [--out DIR]
 
-HOROVOD_SRC is a Horovod source tree (for example the unpacked `pip download horovod==0.28.1
---no-deps --no-binary :all:` archive, or a git checkout) holding `test/parallel/test_torch.py`
-and `test/utils/common.py`. Nothing of Horovod is imported: a shim package maps
-`horovod.torch` to `trainaccel.horovod`. The workers are started by `trainaccel run` with the
-environment horovodrun's Gloo mode gives (HOROVOD_RANK, HOROVOD_SIZE, ...), each runs pytest
-on the suite and records each result as it happens; a test passes when it passed on every rank.
-If a test kills the workers, it is reported as failed and the run goes on after it.
+HOROVOD_SRC is a Horovod source tree holding `test/parallel/test_torch.py` and
+`test/utils/common.py`: a git checkout (the source archive on PyPI leaves `test/` out).
+Nothing of Horovod is imported: a shim package maps `horovod.torch` to `trainaccel.horovod`.
+The workers are started by `trainaccel run` with the environment horovodrun's Gloo mode gives
+(HOROVOD_RANK, HOROVOD_SIZE, ...), each runs pytest on the suite and records each result as
+it happens; a test passes when it passed on every rank. After each test a worker whose
+tearDown failed (a test that failed on some ranks only leaves the others in a collective)
+meets the others' tearDown barrier and shuts Horovod down, then the workers wait for one
+another, so the next test starts on every rank alike. If a test kills the workers, it is
+reported as failed and the run goes on after it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import json
 from collections import Counter
 from pathlib import Path
@@ -57,8 +61,9 @@ def write_shims(root: Path) -> None:
 class _Recorder:
     """A pytest plugin: one JSON line per test phase as it happens, so a crash loses nothing before it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sync_dir: Path, rank: int, world: int):
         self.file = path.open("a")
+        self.sync_dir, self.rank, self.world, self.tests_done = sync_dir, rank, world, 0
 
     def _write(self, **record: str) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -71,7 +76,29 @@ class _Recorder:
         faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
 
     def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
+        # Called after the test's last phase: align the ranks before the next test starts. The
+        # timeout set at its start still runs, so a rank that never arrives ends the workers.
+        self._align()
         faulthandler.cancel_dump_traceback_later()
+
+    def _align(self) -> None:
+        """Leave the test with Horovod shut down on this rank, then wait until every rank has left it."""
+        hvd = sys.modules.get("trainaccel.horovod")
+        if hvd is not None and hvd.is_initialized():
+            # The test's tearDown failed here (its barrier met a rank still in the test). That
+            # rank raised too and is now in its own tearDown's barrier: meet it there, so that
+            # it can shut down as well instead of waiting for this rank forever.
+            for _ in range(3):
+                try:
+                    hvd.barrier()
+                    break
+                except RuntimeError:
+                    continue
+            hvd.shutdown()
+        self.tests_done += 1
+        (self.sync_dir / f"{self.tests_done}.{self.rank}").touch()
+        while sum(1 for _ in self.sync_dir.glob(f"{self.tests_done}.*")) < self.world:
+            time.sleep(0.01)
 
     def pytest_runtest_logreport(self, report: object) -> None:
         outcome = report.outcome  # type: ignore[attr-defined]
@@ -85,7 +112,7 @@ class _Recorder:
         self._write(test=report.nodeid, outcome=outcome, message=message)  # type: ignore[attr-defined]
 
 
-def worker(suite: Path, out: Path, expr: str | None, skip: list[str]) -> int:
+def worker(suite: Path, out: Path, expr: str | None, skip: list[str], sync_dir: Path) -> int:
     """One rank: horovodrun's Gloo environment, then pytest on the suite."""
     import pytest
 
@@ -111,7 +138,8 @@ def worker(suite: Path, out: Path, expr: str | None, skip: list[str]) -> int:
         args += ["-k", expr]
     for nodeid in skip:
         args += ["--deselect", nodeid]
-    return int(pytest.main(args, plugins=[_Recorder(out / f"rank{rank}.jsonl")]))
+    recorder = _Recorder(out / f"rank{rank}.jsonl", sync_dir, int(rank), int(os.environ["WORLD_SIZE"]))
+    return int(pytest.main(args, plugins=[recorder]))
 
 
 def read_results(out: Path, nproc: int) -> tuple[dict[str, list[tuple[str, str]]], set[str]]:
@@ -159,13 +187,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="where the per-rank reports go (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--sync-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     suite = args.horovod_src / "test" / "parallel" / "test_torch.py"
     if not suite.is_file():
         parser.error(f"{suite} not found; HOROVOD_SRC must be a Horovod source tree")
     out = args.out or Path(tempfile.mkdtemp(prefix="hvdref-"))
     if args.worker:
-        return worker(suite, out, args.expr, args.skip)
+        return worker(suite, out, args.expr, args.skip, args.sync_dir or out)
     out.mkdir(parents=True, exist_ok=True)
     shims = out / "shims"
     write_shims(shims)
@@ -174,8 +203,10 @@ def main() -> int:
     while True:
         results, unfinished = read_results(out, args.nproc)
         crashed |= unfinished
+        # Each launch aligns its ranks in a fresh folder: a relaunch counts its tests from 0 again.
+        sync_dir = tempfile.mkdtemp(prefix="sync-", dir=out)
         cmd = [sys.executable, "-m", "trainaccel", "run", "--nproc-per-node", str(args.nproc),
-               __file__, str(args.horovod_src), "--worker", "--out", str(out)]  # fmt: skip
+               __file__, str(args.horovod_src), "--worker", "--out", str(out), "--sync-dir", sync_dir]  # fmt: skip
         if args.expr:
             cmd += ["-k", args.expr]
         for nodeid in sorted(set(results) | crashed):

@@ -83,3 +83,51 @@ def test_unused_parameters_synchronize_and_groups(tmp_path, workers):
 def test_optimizer_options_and_every_optimizer_state(tmp_path, workers):
     ranks = run_checks("horovod_optimizer_options.py", tmp_path, workers)
     assert {"Adam", "SGD", "RMSprop", "Adagrad"} <= set(ranks[0]["optimizers"])
+
+
+def test_broadcast_optimizer_state_gives_a_fresh_optimizer_zero_gradients():
+    # Horovod's observable side effect (its test_broadcast_state_no_grad), without its zero-gradient step.
+    code = """
+import copy
+import torch, trainaccel.horovod as hvd
+from torch import nn
+hvd.init()
+m = nn.Module()
+m.frozen = nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+m.w, m.b = nn.Parameter(torch.rand(4)), nn.Parameter(torch.rand(4))
+m.b.grad = torch.full((4,), 7.0)
+plain = copy.deepcopy(m)
+before = [p.detach().clone() for p in m.parameters()]
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.1),
+                               named_parameters=m.named_parameters())
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+assert m.frozen.grad is None
+assert torch.equal(m.w.grad, torch.zeros(4))
+assert torch.equal(m.b.grad, torch.full((4,), 7.0)), "a gradient already there is kept"
+assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before)), "no step: no weight decay applied"
+assert opt.state_dict()["state"] == {}, "no state from a step with zero gradients"
+# Training goes on exactly as with a fresh torch optimizer (dampening shows a momentum buffer made up early).
+ref = torch.optim.SGD([plain.w, plain.b], lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.1)
+for _ in range(2):
+    for model, o in ((m, opt), (plain, ref)):
+        o.zero_grad()
+        (model.w * model.b).sum().backward()
+        o.step()
+assert torch.equal(m.w, plain.w) and torch.equal(m.b, plain.b)
+# Sparse gradients must find sparse zeros to accumulate into.
+emb = nn.Embedding(5, 2, sparse=True)
+sparse_adam = torch.optim.SparseAdam(emb.parameters())
+hvd.broadcast_optimizer_state(sparse_adam, root_rank=0)
+assert emb.weight.grad.is_sparse
+emb(torch.tensor([1, 2])).sum().backward()
+sparse_adam.step()
+model = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 1))
+hvd.broadcast_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1), root_rank=0, model=model)
+assert model[0].weight.grad.is_sparse and not model[1].weight.grad.is_sparse
+# An optimizer with state keeps its gradients as they are.
+opt.zero_grad()
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+assert m.w.grad is None
+"""
+    proc = run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stdout + proc.stderr

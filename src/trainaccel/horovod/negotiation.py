@@ -1,13 +1,20 @@
 """Before each collective the workers exchange a small descriptor; this is also how `join` works.
 
-A descriptor holds the operation, dtype, shape and one extra field (reduction op or root).
-When descriptors disagree, every worker raises the same error instead of hanging in the
-collective. A worker in `join()` keeps answering the exchange with a join descriptor and,
-for allreduce, contributes the reduction's identity, so workers with more data go on.
+A descriptor holds the operation, dtype, shape, one extra field (reduction op or root), the
+operation's name and whether it may wait. When descriptors disagree, every worker raises the
+same error instead of hanging in the collective. A worker in `join()` keeps answering the
+exchange with a join descriptor and, for allreduce, contributes the reduction's identity, so
+workers with more data go on.
+
+Operations are matched in call order, except that an asynchronous operation with an explicit
+name which meets a different operation elsewhere is parked, as Horovod's coordinator would
+leave it pending: this worker goes on, the others retry their operation, and the parked one
+starts in the exchange where every worker has it parked or is calling it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import torch
@@ -23,6 +30,10 @@ DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 MAX_DIMS = 8
 OP_NAMES = ["Average", "Sum", "Adasum", "Min", "Max", "Product"]  # ReduceOp's values index this list
 _HEAD = 4  # kind, dtype, ndim, extra; the shape follows
+NAME = _HEAD + MAX_DIMS  # after the shape: the explicit name's key (0: no name)
+PARKABLE = NAME + 1  # 1: may be parked (asynchronous, explicitly named)
+PARKED = NAME + 2  # how many operations this worker has parked in this process set
+WIDTH = NAME + 3
 
 _OPS = 16  # an allreduce's extra field is op + _OPS * (buffers of its fused group)
 
@@ -34,18 +45,51 @@ def pack_op(op: int, fused_buffers: int = 1) -> int:
 _rounds = 0  # exchanges over the whole world so far: the same count on every worker
 
 
+class Operation:
+    """One collective of this worker: its descriptor, and how to start it once every worker agrees."""
+
+    def __init__(self, kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0,
+                 among: ProcessSet | None = None, first_dim_may_differ: bool = False,
+                 start: Callable[[torch.Tensor], None] | None = None):  # fmt: skip
+        self.kind, self.name, self.among = kind, name, among
+        self.descriptor = describe(kind, tensor, extra, name)
+        self.first_dim_may_differ = first_dim_may_differ
+        self.start = start  # launches the collective, given every worker's descriptor
+        self.error: Exception | None = None  # why a parked operation could not start
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.name!r}" if self.name else self.kind
+
+    @property
+    def set_id(self) -> int:
+        return (self.among.process_set_id or 0) if self.among is not None else 0
+
+
+_parked: dict[int, list[Operation]] = {}  # per process set, in the order they were parked
+
+
 def reset() -> None:
     global _rounds
     _rounds = 0
+    _parked.clear()
 
 
-def describe(kind: str, tensor: torch.Tensor, extra: int = 0) -> torch.Tensor:
+def name_key(name: str | None) -> int:
+    """A name's key in descriptors: the same on every worker (Python's hash() is salted per process)."""
+    if name is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1 or 1
+
+
+def describe(kind: str, tensor: torch.Tensor, extra: int = 0, name: str | None = None) -> torch.Tensor:
     if tensor.dim() > MAX_DIMS:
         raise ValueError(f"{kind}: tensors of more than {MAX_DIMS} dimensions are not supported")
     if tensor.dtype not in DTYPES:
         raise ValueError(f"{kind}: dtype {tensor.dtype} is not supported; accepted: {', '.join(map(str, DTYPES))}")
     shape = list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim())
-    return torch.tensor([KINDS[kind], DTYPES.index(tensor.dtype), tensor.dim(), extra, *shape], dtype=torch.int64)
+    return torch.tensor([KINDS[kind], DTYPES.index(tensor.dtype), tensor.dim(), extra, *shape, name_key(name), 0, 0],
+                        dtype=torch.int64)  # fmt: skip
 
 
 def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -63,6 +107,7 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
     """The error the workers in `rows` raise for their descriptors, or None when they agree.
 
     `ranks` are the global ranks of the rows (a process set's members), for the message.
+    Names are not compared here: `_settle` decides which operations meet.
     """
     kind = next(k for k, v in KINDS.items() if v == int(everyone[rows[0], 0]))
     sub = everyone[rows]
@@ -77,7 +122,7 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
         return f"{label}: ranks called different operations ({listing(lambda d: _kind_name(int(d[0])))})"
     if differs(slice(1, 2)):
         return f"{label}: tensor dtypes differ across ranks ({listing(lambda d: str(DTYPES[int(d[1])]))})"
-    if differs(slice(2, 3)) or differs(slice(_HEAD + (1 if first_dim_may_differ else 0), None)):
+    if differs(slice(2, 3)) or differs(slice(_HEAD + (1 if first_dim_may_differ else 0), NAME)):
         what = "shapes (beyond the first dimension)" if first_dim_may_differ else "shapes"
         return f"{label}: tensor {what} differ across ranks ({listing(_shape_text)})"
     if differs(slice(3, 4)):
@@ -92,17 +137,120 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
 def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0, *, among: ProcessSet | None = None,
               first_dim_may_differ: bool = False) -> torch.Tensor:  # fmt: skip
     """Exchange descriptors among a process set (all workers by default); raise on every one if they disagree."""
-    group, ranks = (among.group, among.ranks) if among is not None else (None, None)
-    everyone = _gather(describe(kind, tensor, extra), group)
-    label = f"{kind} {name!r}" if name else kind
-    joined = [r for r in range(everyone.shape[0]) if int(everyone[r, 0]) == KINDS["join"]]
-    if joined and kind != "allreduce":
-        raise RuntimeError(f"{label}: ranks {joined} have joined; after hvd.join() only allreduce goes on")
-    active = [r for r in range(everyone.shape[0]) if r not in joined]
-    error = mismatch(everyone, active, label, first_dim_may_differ=first_dim_may_differ, ranks=ranks)
-    if error:
-        raise RuntimeError(error)
+    everyone = _settle(Operation(kind, name, tensor, extra, among, first_dim_may_differ), parkable=False)
+    assert everyone is not None
     return everyone
+
+
+def submit(op: Operation, parkable: bool) -> bool:
+    """Start `op` (True), or park it until the other workers reach it (False; only when `parkable`)."""
+    everyone = _settle(op, parkable)
+    if everyone is None:
+        return False
+    assert op.start is not None
+    op.start(everyone)
+    return True
+
+
+def finish_parked(op: Operation) -> None:
+    """Wait, exchanging descriptors, until a parked `op` can start, and start it; raise if it cannot."""
+    waiting = _parked.get(op.set_id, [])
+    if op in waiting:
+        waiting.remove(op)
+        submit(op, parkable=False)
+    if op.error is not None:
+        raise op.error
+
+
+def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
+    """Exchange descriptors until `op` may start (every worker's descriptor) or is parked (None)."""
+    group, ranks = (op.among.group, op.among.ranks) if op.among is not None else (None, None)
+    waiting = _parked.setdefault(op.set_id, [])
+    while True:
+        mine = op.descriptor.clone()
+        mine[PARKABLE], mine[PARKED] = int(parkable), len(waiting)
+        everyone = _gather(mine, group)
+        rows = list(range(everyone.shape[0]))
+        joined = [r for r in rows if int(everyone[r, 0]) == KINDS["join"]]
+        if joined:  # call order only: a joined worker answers allreduce, whatever is parked
+            if op.kind != "allreduce":
+                raise RuntimeError(f"{op.label}: ranks {joined} have joined; after hvd.join() only allreduce goes on")
+            active = [r for r in rows if r not in joined]
+            error = mismatch(everyone, active, op.label, first_dim_may_differ=op.first_dim_may_differ, ranks=ranks)
+            if error:
+                raise RuntimeError(error)
+            return everyone
+        parked = _parked_descriptors(everyone, waiting, group)
+        ready = _ready(everyone, parked)
+        if ready:
+            # Every worker has this name parked or is calling it: it starts now, everywhere.
+            chosen = torch.stack([everyone[r] if int(everyone[r, NAME]) == ready else
+                                  next(d for d in parked[r] if int(d[NAME]) == ready) for r in rows])  # fmt: skip
+            me = dist.get_rank(group)
+            theirs = None if int(everyone[me, NAME]) == ready else next(w for w in waiting if name_key(w.name) == ready)
+            first_dim = (theirs or op).first_dim_may_differ
+            label = (theirs or op).label
+            error = mismatch(chosen, rows, label, first_dim_may_differ=first_dim, ranks=ranks)
+            if theirs is None:
+                if error:
+                    raise RuntimeError(error)
+                return chosen
+            waiting.remove(theirs)
+            if error:
+                theirs.error = RuntimeError(error)  # raised by its synchronize; this call goes on
+            else:
+                assert theirs.start is not None
+                theirs.start(chosen)
+            continue
+        names = {int(everyone[r, NAME]) for r in rows} - {0}
+        may_wait = [r for r in rows if int(everyone[r, PARKABLE])]
+        same_kind = bool((everyone[:, 0] == everyone[0, 0]).all())
+        # A name some worker has parked must not be matched with another operation by call order.
+        clash = any(int(d[NAME]) in names for theirs in parked for d in theirs)
+        if same_kind and not clash and (len(names) <= 1 or not may_wait):
+            error = mismatch(everyone, rows, op.label, first_dim_may_differ=op.first_dim_may_differ, ranks=ranks)
+            if error:
+                raise RuntimeError(error)
+            return everyone
+        if may_wait and not _one_name_two_kinds(everyone):
+            if parkable:
+                waiting.append(op)
+                return None
+            continue  # the parking workers go on to their next operation, which this one meets
+        raise RuntimeError(mismatch(everyone, rows, op.label, ranks=ranks)
+                           or f"{op.label}: ranks called differently named operations")  # fmt: skip
+
+
+def _parked_descriptors(everyone: torch.Tensor, waiting: list[Operation],
+                        group: dist.ProcessGroup | None) -> list[list[torch.Tensor]]:  # fmt: skip
+    """Each worker's parked operations' descriptors; a second exchange, only while some worker has any."""
+    most = int(everyone[:, PARKED].max())
+    if most == 0:
+        return [[] for _ in range(everyone.shape[0])]
+    mine = torch.zeros(most, WIDTH, dtype=torch.int64)  # kind 0: padding
+    for i, parked in enumerate(waiting):
+        mine[i] = parked.descriptor
+    theirs = _gather(mine.view(-1), group).view(everyone.shape[0], most, WIDTH)
+    return [[d for d in rows if int(d[0])] for rows in theirs]
+
+
+def _ready(everyone: torch.Tensor, parked: list[list[torch.Tensor]]) -> int:
+    """A parked name every worker has parked or is calling now (0: none), chosen alike everywhere."""
+    names = [{int(d[NAME]) for d in rows} | {int(everyone[r, NAME])} for r, rows in enumerate(parked)]
+    for rows in parked:
+        for d in rows:
+            if all(int(d[NAME]) in theirs for theirs in names):
+                return int(d[NAME])
+    return 0
+
+
+def _one_name_two_kinds(everyone: torch.Tensor) -> bool:
+    kinds: dict[int, int] = {}
+    for d in everyone:
+        name = int(d[NAME])
+        if name and kinds.setdefault(name, int(d[0])) != int(d[0]):
+            return True
+    return False
 
 
 def join(device: torch.device) -> int:

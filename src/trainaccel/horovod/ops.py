@@ -2,8 +2,10 @@
 
 Each operation first exchanges descriptors (see `negotiation`), so mismatched calls raise on
 every worker instead of hanging. Asynchronous forms return a handle for `poll` and
-`synchronize`; two operations in flight under one name raise `ValueError`. The synchronous,
-differentiable forms are in `autograd`, the grouped forms in `grouped`.
+`synchronize`; a named one that meets a different operation elsewhere waits (parked) until
+the others call it. Two operations in flight under one name raise `ValueError` on the caller
+alone, before anything is exchanged. The synchronous, differentiable forms are in `autograd`,
+the grouped forms in `grouped`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ Average, Sum, Adasum, Min, Max, Product = (
 class Handle:
     """An operation in flight; pass it to `poll` or `synchronize`."""
 
-    def __init__(self, name: str, work: Any, finish: Callable[[], Any]):
+    def __init__(self, name: str, work: Any, finish: Callable[[], Any] | None):
         self.name, self._work, self._finish = name, work, finish
+        self._parked: negotiation.Operation | None = None  # not started: the others have not called it yet
 
     def __repr__(self) -> str:
         return f"<trainaccel.horovod handle {self.name!r}>"
@@ -61,12 +64,16 @@ def poll(handle: Handle) -> bool:
     parts = getattr(handle, "_parts", None)
     if parts is not None:
         return all(poll(part) for part in parts)
+    if handle._parked is not None:
+        return False
     return handle._work is None or handle._work.is_completed()
 
 
 def synchronize(handle: Handle) -> Any:
     """Wait for the operation and return its result."""
     try:
+        if handle._parked is not None:
+            negotiation.finish_parked(handle._parked)
         if handle._work is not None:
             handle._work.wait()
         return handle._finish()
@@ -75,13 +82,26 @@ def synchronize(handle: Handle) -> Any:
             del _in_flight[handle.name]
 
 
-def _start(kind: str, name: str | None, work: Any, finish: Callable[[], Any]) -> Handle:
-    handle = Handle(name or f"{kind}.noname.{next(_auto_names)}", work, finish)
+def _submit(kind: str, name: str | None, tensor: torch.Tensor, extra: int, ps: ProcessSet,
+            launch: Callable[[torch.Tensor], tuple[Any, Callable[[], Any]]], *,
+            first_dim_may_differ: bool = False) -> Handle:  # fmt: skip
+    """Negotiate an operation and start it with `launch(descriptors)` -> (work, finish), now or once unparked."""
+    handle = Handle(name or f"{kind}.noname.{next(_auto_names)}", None, None)
+
+    def start(everyone: torch.Tensor) -> None:
+        handle._work, handle._finish = launch(everyone)
+        handle._parked = None
+
+    op = negotiation.Operation(kind, name, tensor, extra, ps, first_dim_may_differ, start)
+    # Only a named operation may wait for the others: unnamed ones are matched in call order.
+    if not negotiation.submit(op, parkable=name is not None):
+        handle._parked = op
     _in_flight[handle.name] = handle
     return handle
 
 
 def _claim(name: str | None) -> None:
+    # Checked before any exchange, so only the caller raises and the workers stay in step.
     if name is not None and name in _in_flight:
         raise ValueError(
             f"an operation named {name!r} is already in flight; synchronize it first or choose another name"
@@ -132,22 +152,25 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Start reducing `tensor` in place across the workers of `process_set` (all by default)."""
     ps = _begin(name, process_set)
     op = resolve_op(average, op)
-    negotiation.negotiate("allreduce", name, tensor, negotiation.pack_op(int(op), fused_buffers), among=ps)
-    wire = _summable(scale_(tensor, prescale_factor))
-    work = dist.all_reduce(wire, op=negotiation.TORCH_OPS[op.name], group=ps.group, async_op=True)
     world = ps.size() or 1
 
-    def finish() -> torch.Tensor:
-        if wire is not tensor:
-            tensor.copy_(wire)
-        if op == Average:
-            if tensor.is_floating_point():
-                tensor.div_(world)
-            else:
-                tensor.copy_(tensor.div(world, rounding_mode="trunc"))
-        return scale_(tensor, postscale_factor)
+    def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], torch.Tensor]]:
+        wire = _summable(scale_(tensor, prescale_factor))
+        work = dist.all_reduce(wire, op=negotiation.TORCH_OPS[op.name], group=ps.group, async_op=True)
 
-    return _start("allreduce", name, work, finish)
+        def finish() -> torch.Tensor:
+            if wire is not tensor:
+                tensor.copy_(wire)
+            if op == Average:
+                if tensor.is_floating_point():
+                    tensor.div_(world)
+                else:
+                    tensor.copy_(tensor.div(world, rounding_mode="trunc"))
+            return scale_(tensor, postscale_factor)
+
+        return work, finish
+
+    return _submit("allreduce", name, tensor, negotiation.pack_op(int(op), fused_buffers), ps, launch)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
@@ -169,19 +192,22 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     ps = _begin(name, process_set)
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor of at least one dimension")
-    everyone = negotiation.negotiate("allgather", name, tensor, among=ps, first_dim_may_differ=True)
-    firsts = [int(d) for d in everyone[:, 4]]
-    longest = max(firsts)
-    padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    padded[: tensor.shape[0]] = tensor.detach()
-    gathered = padded.new_empty((len(firsts) * longest, *tensor.shape[1:]))
-    work = all_gather_single(_moved(gathered), _moved(padded), group=ps.group, async_op=True)
 
-    def finish() -> torch.Tensor:
-        parts = gathered.split(longest) if longest else [gathered] * len(firsts)
-        return torch.cat([part[:n] for part, n in zip(parts, firsts)])
+    def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], torch.Tensor]]:
+        firsts = [int(d) for d in everyone[:, 4]]
+        longest = max(firsts)
+        padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0]] = tensor.detach()
+        gathered = padded.new_empty((len(firsts) * longest, *tensor.shape[1:]))
+        work = all_gather_single(_moved(gathered), _moved(padded), group=ps.group, async_op=True)
 
-    return _start("allgather", name, work, finish)
+        def finish() -> torch.Tensor:
+            parts = gathered.split(longest) if longest else [gathered] * len(firsts)
+            return torch.cat([part[:n] for part, n in zip(parts, firsts)])
+
+        return work, finish
+
+    return _submit("allgather", name, tensor, 0, ps, launch, first_dim_may_differ=True)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -190,9 +216,11 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     ps = _begin(name, process_set)
     if root_rank not in ps.ranks:
         raise ValueError(f"invalid root_rank={root_rank}; accepted: a rank of the process set, {ps.ranks}")
-    negotiation.negotiate("broadcast", name, tensor, root_rank, among=ps)
-    work = dist.broadcast(_moved(tensor), src=root_rank, group=ps.group, async_op=True)
-    return _start("broadcast", name, work, lambda: tensor)
+
+    def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], torch.Tensor]]:
+        return dist.broadcast(_moved(tensor), src=root_rank, group=ps.group, async_op=True), lambda: tensor
+
+    return _submit("broadcast", name, tensor, root_rank, ps, launch)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -226,14 +254,17 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None
             raise ValueError(
                 f"invalid splits={send}; accepted: {world} non-negative counts that add up to the first dimension ({tensor.shape[0]})"
             )
-    negotiation.negotiate("alltoall", name, tensor, among=ps, first_dim_may_differ=True)
-    received = torch.empty(world, dtype=torch.int64)
-    dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=ps.group)
-    counts = [int(x) for x in received]
-    output = tensor.new_empty((sum(counts), *tensor.shape[1:]))
-    work = dist.all_to_all_single(_moved(output), _moved(tensor.detach().contiguous()), counts, send,
-                                  group=ps.group, async_op=True)  # fmt: skip
-    return _start("alltoall", name, work, lambda: (output, received.to(torch.int32)))
+
+    def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+        received = torch.empty(world, dtype=torch.int64)
+        dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=ps.group)
+        counts = [int(x) for x in received]
+        output = tensor.new_empty((sum(counts), *tensor.shape[1:]))
+        work = dist.all_to_all_single(_moved(output), _moved(tensor.detach().contiguous()), counts, send,
+                                      group=ps.group, async_op=True)  # fmt: skip
+        return work, lambda: (output, received.to(torch.int32))
+
+    return _submit("alltoall", name, tensor, 0, ps, launch, first_dim_may_differ=True)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
@@ -246,21 +277,25 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         raise UnsupportedOperation(f"reducescatter supports op=Average or Sum, got {op.name}")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor of at least one dimension")
-    negotiation.negotiate("reducescatter", name, tensor, int(op), among=ps)
     world, rank = ps.size() or 1, ps.rank() or 0
     rows = share_rows(tensor.shape[0], world)
     start = sum(rows[:rank])
-    # Gloo's reduce-scatter is slower than its allreduce, and needs equal shares: reduce all, keep ours.
-    full = _summable(scale_(tensor.detach().clone(), prescale_factor))
-    work = dist.all_reduce(full, group=ps.group, async_op=True)
+    source = tensor.detach().clone()  # an asynchronous call may start later: keep the input as it is now
 
-    def finish() -> torch.Tensor:
-        mine = full.narrow(0, start, rows[rank]).to(tensor.dtype, copy=True)
-        if op == Average:
-            mine = mine / world if mine.is_floating_point() else mine.div(world, rounding_mode="trunc")
-        return scale_(mine, postscale_factor)
+    def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], torch.Tensor]]:
+        # Gloo's reduce-scatter is slower than its allreduce, and needs equal shares: reduce all, keep ours.
+        full = _summable(scale_(source, prescale_factor))
+        work = dist.all_reduce(full, group=ps.group, async_op=True)
 
-    return _start("reducescatter", name, work, finish)
+        def finish() -> torch.Tensor:
+            mine = full.narrow(0, start, rows[rank]).to(tensor.dtype, copy=True)
+            if op == Average:
+                mine = mine / world if mine.is_floating_point() else mine.div(world, rounding_mode="trunc")
+            return scale_(mine, postscale_factor)
+
+        return work, finish
+
+    return _submit("reducescatter", name, tensor, int(op), ps, launch)
 
 
 def share_rows(rows: int, world: int) -> list[int]:
@@ -275,9 +310,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Re
     if op not in (Average, Sum):
         raise ValueError(f"sparse allreduce supports op=Average or Sum, got {op.name}")
     t = tensor.coalesce()
-    base = name or f"sparse_allreduce.noname.{next(_auto_names)}"
-    indices = allgather_async(t.indices().t().contiguous(), f"{base}.indices", process_set)
-    values = allgather_async(t.values(), f"{base}.values", process_set)
+    # Unnamed, its two gathers stay unnamed too: matched in call order, never parked.
+    indices = allgather_async(t.indices().t().contiguous(), None if name is None else f"{name}.indices", process_set)
+    values = allgather_async(t.values(), None if name is None else f"{name}.values", process_set)
     size = resolve(process_set).size() or 1
 
     def wait() -> torch.Tensor:

@@ -46,11 +46,35 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet | 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
                               process_set: ProcessSet | None = None) -> None:
-    """Give every rank the root's optimizer state and hyperparameters (any torch.optim optimizer; `model` is unused)."""
+    """Give every rank the root's optimizer state and hyperparameters (any torch.optim optimizer).
+
+    `model` tells which parameters are sparse embeddings, for a fresh optimizer's zero gradients.
+    """
     _check()
+    if not optimizer.state_dict()["state"]:
+        # Horovod leaves zero gradients on a fresh optimizer (from the zero-gradient step it takes
+        # to create the state); scripts may read them. No step here: a step would apply weight
+        # decay and start momentum and step counts, which a fresh torch optimizer has not done.
+        _zero_missing_grads(optimizer, model)
     state = broadcast_object(optimizer.state_dict(), root_rank, process_set=process_set)
     if dist.get_rank() != root_rank:
         optimizer.load_state_dict(state)
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Horovod's side effect on a fresh optimizer: a zero `.grad` on each trainable parameter without one."""
+    sparse_params = set()
+    if model is not None:
+        sparse_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+                         for p in m.parameters()}  # fmt: skip
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+                # A dense zero would make the first sparse gradient accumulate into a dense one.
+                if isinstance(optimizer, torch.optim.SparseAdam) or (isinstance(optimizer, torch.optim.SGD) and id(p) in sparse_params):
+                    grad = grad.to_sparse()
+                p.grad = grad
 
 
 class _DistributedOptimizer:
