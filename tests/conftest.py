@@ -82,8 +82,9 @@ def read_ranks(directory: Path, world: int) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def run_checks(script: str, out_dir: Path, workers: int, *args) -> list[dict]:
-    """Launch a worker script that writes OUT_DIR/rank{r}.json (see scripts/checks.py); assert no check failed."""
+def run_checks(script: str | Path, out_dir: Path, workers: int, *args) -> list[dict]:
+    """Launch a worker script (a name in tests/scripts, or a path) that writes OUT_DIR/rank{r}.json (see
+    scripts/checks.py); assert no check failed."""
     proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, SCRIPTS / script, out_dir, *args])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = read_ranks(out_dir, workers)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
+from conftest import SCRIPTS, run_checks
 
 WORKER = r'''
 import sys
@@ -61,7 +61,4 @@ def test_scaled_float16_sums_match_horovods_arithmetic(tmp_path, workers):
     script.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, script, out, SCRIPTS])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for rank, result in enumerate(read_ranks(out, workers)):
-        assert result["failures"] == [], f"rank {rank}"
+    run_checks(script, out, workers, SCRIPTS)

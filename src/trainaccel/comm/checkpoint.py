@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.comm.autotune import Autotuner
-from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all
+from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split_key
 from trainaccel.comm.hooks import CommState
 from trainaccel.context import warn_once
 
@@ -39,13 +39,14 @@ def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
     state = getattr(ddp_model, "trainaccel_state", None)
     if state is None:
         return dict(getattr(_module(ddp_model), _PENDING, None) or {})  # loaded, not applied yet: kept as it came
-    if isinstance(state, Autotuner):
-        saved = {label: _comm_state_dict(c.state) for label, c in ((c.label, c) for c in state.candidates)}
-        return {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-                "autotune": {"chosen": state.chosen.label if state.chosen is not None else None, "candidates": saved}}  # fmt: skip
     if getattr(state, "builtin", False):
         return {}
-    return {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size(), **_comm_state_dict(state)}
+    header = {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    if isinstance(state, Autotuner):
+        saved = {c.label: _comm_state_dict(c.state) for c in state.candidates}
+        return {**header, "autotune": {"chosen": state.chosen.label if state.chosen is not None else None,
+                                       "candidates": saved}}  # fmt: skip
+    return {**header, **_comm_state_dict(state)}
 
 
 def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
@@ -155,7 +156,7 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
         buckets.setdefault(signature, {})
     for name, store in bucket_stores(state).items():
         for key, value in store.items():
-            index, rest = key if isinstance(key, tuple) else (key, None)
+            index, rest = split_key(key)
             signature = state.signatures.get(index)
             if signature is not None:
                 buckets.setdefault(signature, {}).setdefault(name, {})[rest] = value

@@ -179,8 +179,7 @@ def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futu
     copied back. The step loses its overlap with the backward pass, and the trajectory is exact.
     """
     buffer = bucket.buffer()
-    entry = (buffer, [state.param_index.setdefault(id(p), len(state.param_index)) for p in bucket.parameters()],
-             bucket.gradients())  # fmt: skip
+    entry = (buffer, _signature(state, bucket), bucket.gradients())
     if not bucket.is_last():
         fut: torch.futures.Future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else [])
         state.realigning.append((fut, entry))
@@ -213,22 +212,19 @@ def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> N
             _exact(state, buffer)
         return
     for n, (index, signature) in enumerate(restored):
-        flat = torch.cat([gradients[i].reshape(-1) for i in signature])
+        grads = [gradients[i] for i in signature]
+        sizes = [g.numel() for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         follow_bucket(state, index, signature)
         if state.powersgd is not None:
-            views, offset = [], 0
-            for i in signature:
-                views.append(flat[offset : offset + gradients[i].numel()].view_as(gradients[i]))
-                offset += gradients[i].numel()
+            views = [v.view_as(g) for v, g in zip(flat.split(sizes), grads)]
             result = _powersgd_bucket(state, _Bucket(index, flat, views, n == len(restored) - 1), step)
         elif state.hierarchy is not None:
             result = _hierarchical(state, flat, index, step)
         else:
             result = _flat(state, flat, index, step)
-        offset = 0
-        for i in signature:
-            gradients[i].copy_(result[offset : offset + gradients[i].numel()].view_as(gradients[i]))
-            offset += gradients[i].numel()
+        for part, g in zip(result.split(sizes), grads):
+            g.copy_(part.view_as(g))
 
 
 def _signature(state: CommState, bucket: dist.GradBucket) -> Signature:
@@ -272,12 +268,9 @@ def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
     if _optimizer_steps == 0 or seen != _optimizer_steps or state.steps == state.steps_at_start:
         return
     state.skipped_steps += 1
-    feedbacks = [state.feedback] + ([state.hierarchy.feedback, state.hierarchy.intra_feedback] if state.hierarchy else [])
-    for feedback in filter(None, feedbacks):
-        for key in list(feedback.residuals):
-            feedback.clear(key)
-    if state.powersgd is not None:
-        state.powersgd.error_dict.clear()
+    stores = bucket_stores(state)
+    for name in LOCAL_STORES:  # residuals, momentum and PowerSGD's error start again from zero
+        stores.get(name, {}).clear()
     for entries in state.parked.values():
         for name in LOCAL_STORES:
             entries.pop(name, None)

@@ -51,7 +51,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     `model` tells which parameters are sparse embeddings, for a fresh optimizer's zero gradients.
     """
     _check()
-    if not optimizer.state_dict()["state"]:
+    if not optimizer.state:
         # Horovod leaves zero gradients on a fresh optimizer (from the zero-gradient step it takes
         # to create the state); scripts may read them. No step here: a step would apply weight
         # decay and start momentum and step counts, which a fresh torch optimizer has not done.
