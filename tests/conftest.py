@@ -30,8 +30,15 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     args = [str(c) for c in cmd]
-    with subprocess.Popen(args, env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True, **kw) as proc:  # fmt: skip
+    with subprocess.Popen(
+        args,
+        env={**base, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kw,
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -41,8 +48,15 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
-def run_nodes(script, *args, nodes: int = 2, per_node: int | list[int] = 2, launcher: list[str] | None = None,
-              env: dict | None = None, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+def run_nodes(
+    script,
+    *args,
+    nodes: int = 2,
+    per_node: int | list[int] = 2,
+    launcher: list[str] | None = None,
+    env: dict | None = None,
+    timeout: float = 240,
+) -> list[subprocess.CompletedProcess]:
     """Start `script` as `nodes` emulated nodes on this host: one torchrun launch per node (--nnodes).
 
     `per_node` is the workers per node, or a list of them for nodes of different sizes.
@@ -52,10 +66,28 @@ def run_nodes(script, *args, nodes: int = 2, per_node: int | list[int] = 2, laun
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     procs = [
         subprocess.Popen(
-            [str(c) for c in (*(launcher or torchrun_cmd()), "--nnodes", nodes, "--node-rank", node,
-                              "--nproc-per-node", sizes[node], "--master-addr", "127.0.0.1", "--master-port", port,
-                              script, *args)],  # fmt: skip
-            env={**base, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                str(c)
+                for c in (
+                    *(launcher or torchrun_cmd()),
+                    "--nnodes",
+                    nodes,
+                    "--node-rank",
+                    node,
+                    "--nproc-per-node",
+                    sizes[node],
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    port,
+                    script,
+                    *args,
+                )
+            ],
+            env={**base, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in range(nodes)
     ]
@@ -85,7 +117,9 @@ def read_ranks(directory: Path, world: int) -> list[dict]:
 def run_checks(script: str | Path, out_dir: Path, workers: int, *args) -> list[dict]:
     """Launch a worker script (a name in tests/scripts, or a path) that writes OUT_DIR/rank{r}.json (see
     scripts/checks.py); assert no check failed."""
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, SCRIPTS / script, out_dir, *args])
+    proc = run(
+        [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, SCRIPTS / script, out_dir, *args]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = read_ranks(out_dir, workers)
     for rank, result in enumerate(ranks):

@@ -8,7 +8,9 @@ from conftest import run, trainaccel_cmd
 
 
 def test_info_reports_versions_backends_and_config():
-    proc = run([*trainaccel_cmd(), "info"], env={"TRAINACCEL_COMPRESSION": "fp16", "TRAINACCEL_TYPO": "1", "COLUMNS": "200"})
+    proc = run(
+        [*trainaccel_cmd(), "info"], env={"TRAINACCEL_COMPRESSION": "fp16", "TRAINACCEL_TYPO": "1", "COLUMNS": "200"}
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert torch.__version__ in out and "gloo=yes" in out
@@ -71,8 +73,19 @@ def test_commands_start_without_the_data_extra(tmp_path):
     assert proc.returncode == 2 and "pip install 'trainaccel[data]'" in proc.stderr
 
 
-@pytest.mark.parametrize("command", [["run"], ["info"], ["demo"], ["bench", "train"], ["bench", "comm"], ["bench", "data"],
-                                     ["bench", "embedding"], ["pack", "imagefolder"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run"],
+        ["info"],
+        ["demo"],
+        ["bench", "train"],
+        ["bench", "comm"],
+        ["bench", "data"],
+        ["bench", "embedding"],
+        ["pack", "imagefolder"],
+    ],
+)
 def test_every_command_prints_its_help(command, capsys):
     from trainaccel.cli import main
     from trainaccel.launch.run import main as run_main

@@ -5,7 +5,13 @@ from trainaccel.config import Config, ConfigError
 
 def test_defaults():
     c = Config.resolve(env={})
-    assert (c.compression, c.hierarchical, c.bucket_mb, c.nan_check, c.log_level) == ("none", "auto", None, "off", "info")
+    assert (c.compression, c.hierarchical, c.bucket_mb, c.nan_check, c.log_level) == (
+        "none",
+        "auto",
+        None,
+        "off",
+        "info",
+    )
 
 
 def test_precedence_keyword_over_flag_over_env():
@@ -27,28 +33,88 @@ def test_values_are_normalised():
 @pytest.mark.parametrize(
     "kwargs, env, flags, expected",
     [
-        ({}, {"TRAINACCEL_COMPRESSION": "zip"}, {}, "invalid compression='zip' (from TRAINACCEL_COMPRESSION); accepted: none, fp16, bf16, topk, randomk, powersgd"),
+        (
+            {},
+            {"TRAINACCEL_COMPRESSION": "zip"},
+            {},
+            "invalid compression='zip' (from TRAINACCEL_COMPRESSION); accepted: none, fp16, bf16, topk, randomk, powersgd",
+        ),
         ({"compression_ratio": 0}, {}, {}, "invalid compression_ratio=0 (from keyword); accepted: a number in (0, 1]"),
-        ({}, {}, {"compression_ratio": "1.5"}, "invalid compression_ratio='1.5' (from --compression-ratio); accepted: a number in (0, 1]"),
-        ({}, {"TRAINACCEL_POWERSGD_RANK": "0"}, {}, "invalid powersgd_rank='0' (from TRAINACCEL_POWERSGD_RANK); accepted: an integer >= 1"),
+        (
+            {},
+            {},
+            {"compression_ratio": "1.5"},
+            "invalid compression_ratio='1.5' (from --compression-ratio); accepted: a number in (0, 1]",
+        ),
+        (
+            {},
+            {"TRAINACCEL_POWERSGD_RANK": "0"},
+            {},
+            "invalid powersgd_rank='0' (from TRAINACCEL_POWERSGD_RANK); accepted: an integer >= 1",
+        ),
         ({"powersgd_rank": 2.5}, {}, {}, "invalid powersgd_rank=2.5 (from keyword); accepted: an integer >= 1"),
-        ({"fp16_scale": "inf"}, {}, {}, "invalid fp16_scale='inf' (from keyword); accepted: dynamic, or a number > 0 (a fixed scale)"),
-        ({"compression_momentum": -0.1}, {}, {}, "invalid compression_momentum=-0.1 (from keyword); accepted: a number in [0, 1]"),
+        (
+            {"fp16_scale": "inf"},
+            {},
+            {},
+            "invalid fp16_scale='inf' (from keyword); accepted: dynamic, or a number > 0 (a fixed scale)",
+        ),
+        (
+            {"compression_momentum": -0.1},
+            {},
+            {},
+            "invalid compression_momentum=-0.1 (from keyword); accepted: a number in [0, 1]",
+        ),
         ({"local_steps": "0"}, {}, {}, "invalid local_steps='0' (from keyword); accepted: an integer >= 1"),
-        ({}, {"TRAINACCEL_INTRA_COMPRESSION": "topk"}, {}, "invalid intra_compression='topk' (from TRAINACCEL_INTRA_COMPRESSION); accepted: none, fp16, bf16"),
+        (
+            {},
+            {"TRAINACCEL_INTRA_COMPRESSION": "topk"},
+            {},
+            "invalid intra_compression='topk' (from TRAINACCEL_INTRA_COMPRESSION); accepted: none, fp16, bf16",
+        ),
         ({"autotune": "maybe"}, {}, {}, "invalid autotune='maybe' (from keyword); accepted: off, on"),
         ({}, {}, {"bucket_mb": "-1"}, "invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)"),
         ({"bucket_mb": 0}, {}, {}, "invalid bucket_mb=0 (from keyword); accepted: a number > 0 (MiB)"),
         ({"bucket_mb": "abc"}, {}, {}, "invalid bucket_mb='abc' (from keyword); accepted: a number > 0 (MiB)"),
-        ({}, {"TRAINACCEL_HIERARCHICAL": "maybe"}, {}, "invalid hierarchical='maybe' (from TRAINACCEL_HIERARCHICAL); accepted: auto, on, off"),
+        (
+            {},
+            {"TRAINACCEL_HIERARCHICAL": "maybe"},
+            {},
+            "invalid hierarchical='maybe' (from TRAINACCEL_HIERARCHICAL); accepted: auto, on, off",
+        ),
         ({"nan_check": "loud"}, {}, {}, "invalid nan_check='loud' (from keyword); accepted: off, warn, raise"),
-        ({}, {"TRAINACCEL_LOG_LEVEL": "chatty"}, {}, "invalid log_level='chatty' (from TRAINACCEL_LOG_LEVEL); accepted: debug, info, warning, error"),
+        (
+            {},
+            {"TRAINACCEL_LOG_LEVEL": "chatty"},
+            {},
+            "invalid log_level='chatty' (from TRAINACCEL_LOG_LEVEL); accepted: debug, info, warning, error",
+        ),
         ({"amp": "fp8"}, {}, {}, "invalid amp='fp8' (from keyword); accepted: off, bf16, fp16, on, O0, O1"),
         ({}, {}, {"compile": "fast"}, "invalid compile='fast' (from --compile); accepted: off, on"),
-        ({}, {"TRAINACCEL_COMPILE_PRESET": "turbo"}, {}, "invalid compile_preset='turbo' (from TRAINACCEL_COMPILE_PRESET); accepted: default, reduce-overhead, max-autotune"),
-        ({"amp_policy": "loss"}, {}, {}, "invalid amp_policy='loss' (from keyword); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, before the first step too: use it through the API"),
-        ({}, {"TRAINACCEL_AMP_POLICY": "auto:hold=x"}, {}, "invalid amp_policy='auto:hold=x' (from TRAINACCEL_AMP_POLICY); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: invalid hold='x'; accepted: an integer"),
-        ({"amp_policy": "time:start=5,end=2"}, {}, {}, "invalid amp_policy='time:start=5,end=2' (from keyword); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: invalid end=2; accepted: None (to the end of training) or an integer >= start (5)"),
+        (
+            {},
+            {"TRAINACCEL_COMPILE_PRESET": "turbo"},
+            {},
+            "invalid compile_preset='turbo' (from TRAINACCEL_COMPILE_PRESET); accepted: default, reduce-overhead, max-autotune",
+        ),
+        (
+            {"amp_policy": "loss"},
+            {},
+            {},
+            "invalid amp_policy='loss' (from keyword); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, before the first step too: use it through the API",
+        ),
+        (
+            {},
+            {"TRAINACCEL_AMP_POLICY": "auto:hold=x"},
+            {},
+            "invalid amp_policy='auto:hold=x' (from TRAINACCEL_AMP_POLICY); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: invalid hold='x'; accepted: an integer",
+        ),
+        (
+            {"amp_policy": "time:start=5,end=2"},
+            {},
+            {},
+            "invalid amp_policy='time:start=5,end=2' (from keyword); accepted: always, auto[:setting=value,...] or time[:setting=value,...]; here: invalid end=2; accepted: None (to the end of training) or an integer >= start (5)",
+        ),
     ],
 )
 def test_invalid_values_name_option_value_source_and_accepted(kwargs, env, flags, expected):
@@ -91,7 +157,10 @@ def test_amp_levels_and_switches_normalise():
     assert Config.resolve(env={"TRAINACCEL_AMP": "O1"}).amp == "on"
     assert Config.resolve(env={}, amp="o0").amp == "off"
     assert Config.resolve(env={}, amp=True, compile=True).describe().split()[10:14] == [
-        "amp=on", "amp_policy=always", "compile=on", "compile_preset=default"
+        "amp=on",
+        "amp_policy=always",
+        "compile=on",
+        "compile_preset=default",
     ]
     assert Config.resolve(env={}, amp_policy=" Always ").amp_policy == "always"
     assert Config.resolve(env={}, amp_policy="auto:hold=50").amp_policy == "auto:hold=50"
@@ -107,4 +176,9 @@ def test_option_flags_parse_with_the_script_after_a_bare_switch():
     assert args.script == "train.py" and Config.flags_from(args)["compile"] == "on"
     args = parser.parse_args(["--amp-level", "O1", "--amp_policy", "auto", "--compile-preset", "max-autotune", "t.py"])
     flags = Config.flags_from(args)
-    assert (flags["amp"], flags["amp_policy"], flags["compile_preset"], flags["compile"]) == ("O1", "auto", "max-autotune", None)
+    assert (flags["amp"], flags["amp_policy"], flags["compile_preset"], flags["compile"]) == (
+        "O1",
+        "auto",
+        "max-autotune",
+        None,
+    )

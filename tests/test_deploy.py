@@ -41,7 +41,7 @@ def test_the_dockerfile_installs_cuda_torch_and_trainaccel_and_starts_trainaccel
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-cudnn-runtime-", text, re.M)
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}$", text, re.M)
-    assert re.search(r'^ARG TORCH_INDEX=https://download.pytorch.org/whl/cu\d+$', text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cu\d+$", text, re.M)
     assert 'pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"' in text
     assert re.search(r'^RUN pip install --no-cache-dir "/opt/trainaccel\[data,embedding\]"$', text, re.M)
     assert re.search(r'^ENTRYPOINT \["trainaccel", "run"\]$', text, re.M)
@@ -76,7 +76,11 @@ def test_the_mpijob_launcher_reaches_every_gpu_of_its_workers(tmp_path, capsys):
     assert spec["slotsPerWorker"] == GPUS and spec["mpiReplicaSpecs"]["Worker"]["replicas"] == NODES
     _, launcher = _pod(spec["mpiReplicaSpecs"]["Launcher"])
     worker_spec, worker = _pod(spec["mpiReplicaSpecs"]["Worker"])
-    assert launcher["image"] == worker["image"] == _pod(_load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Master"])[1]["image"]
+    assert (
+        launcher["image"]
+        == worker["image"]
+        == _pod(_load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Master"])[1]["image"]
+    )
     assert worker["command"] == ["/usr/sbin/sshd", "-De"]
     _assert_gpu_pod_with_shared_memory(worker_spec, worker)
     assert launcher["command"] == ["trainaccel", "run"]
@@ -84,7 +88,9 @@ def test_the_mpijob_launcher_reaches_every_gpu_of_its_workers(tmp_path, capsys):
     assert args[args.index("-np") + 1] == str(NODES * GPUS)
     # The hostfile as the operator writes it, at a path of ours.
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"trainaccel-resnet50-mpi-worker-{i}.trainaccel-resnet50-mpi slots={GPUS}\n" for i in range(NODES)))
+    hostfile.write_text(
+        "".join(f"trainaccel-resnet50-mpi-worker-{i}.trainaccel-resnet50-mpi slots={GPUS}\n" for i in range(NODES))
+    )
     assert args[args.index("--hostfile") + 1] == "/etc/mpi/hostfile"
     args[args.index("--hostfile") + 1] = str(hostfile)
     out = _dry_run(args, capsys)
@@ -92,4 +98,3 @@ def test_the_mpijob_launcher_reaches_every_gpu_of_its_workers(tmp_path, capsys):
         assert f"# node {i}: trainaccel-resnet50-mpi-worker-{i}.trainaccel-resnet50-mpi, {GPUS} processes" in out
     ssh_lines = [shlex.split(line) for line in out.splitlines() if line.startswith("ssh ")]
     assert len(ssh_lines) == NODES and all("--nproc-per-node 8" in line[-1] for line in ssh_lines)
-

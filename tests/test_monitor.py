@@ -11,7 +11,9 @@ from conftest import SCRIPTS, read_ranks, run, run_nodes, trainaccel_cmd
 from trainaccel.monitor import StepMeter, StragglerDetector
 
 CHECK = re.compile(r"straggler check at step (\d+): own work per step by rank: ([\d., ]+) ms")
-STRAGGLER = re.compile(r"straggler at step (\d+): rank (\d+) \(host (\S+), local rank (\d+)\) is (\d+)% slower than the median")
+STRAGGLER = re.compile(
+    r"straggler at step (\d+): rank (\d+) \(host (\S+), local rank (\d+)\) is (\d+)% slower than the median"
+)
 LINE = re.compile(
     r"step (\d+) \| ([\d,.]+) examples/s per worker, ([\d,.]+) total \((\d+) workers\) \| step ([\d.]+) ms: "
     r"data ([\d.]+) ms, compute ([\d.]+) ms \| peak memory ([\d,]+) MiB"
@@ -36,12 +38,16 @@ def test_a_timed_loop_in_one_process(tmp_path, caplog):
     record = meter.records[1]
     measured = (starts[7] - starts[3]) / 4  # the loop's own mean step over the second window
     assert record.step_time_s == pytest.approx(measured, rel=0.05)
-    assert record.data_time_s == pytest.approx(0.02, abs=0.005) and record.compute_time_s == pytest.approx(0.01, abs=0.005)
+    assert record.data_time_s == pytest.approx(0.02, abs=0.005) and record.compute_time_s == pytest.approx(
+        0.01, abs=0.005
+    )
     assert record.examples_per_s_per_worker == pytest.approx(16 / measured, rel=0.05) == record.examples_per_s
     assert record.peak_memory_bytes > 0 and record.workers == 1
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [4, 8] and lines[1]["data_time_s"] == record.data_time_s
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")] == [r.line() for r in meter.records]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")] == [
+        r.line() for r in meter.records
+    ]
     assert LINE.fullmatch(record.line())
 
 
@@ -63,18 +69,33 @@ def test_own_time_leaves_out_the_waits_for_peers():
     assert detector.reports == [report]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"every": 0}, "invalid every 0; accepted: an integer >= 1"),
-    ({"threshold": -0.1}, "invalid threshold -0.1; accepted: a number > 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"every": 0}, "invalid every 0; accepted: an integer >= 1"),
+        ({"threshold": -0.1}, "invalid threshold -0.1; accepted: a number > 0"),
+    ],
+)
 def test_bad_detector_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StragglerDetector(**kwargs)
 
 
 def test_metrics_every_logs_lines_matching_the_scripts_own_timing(tmp_path):
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2", "--metrics-every", "4",
-                SCRIPTS / "metrics_loop.py", tmp_path, "13"])  # fmt: skip
+    proc = run(
+        [
+            *trainaccel_cmd(),
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--metrics-every",
+            "4",
+            SCRIPTS / "metrics_loop.py",
+            tmp_path,
+            "13",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [LINE.search(line) for line in (proc.stdout + proc.stderr).splitlines() if LINE.search(line)]
     assert [int(m.group(1)) for m in lines] == [4, 8, 12]  # forward-to-forward: step 12 closes at the 13th forward
@@ -82,7 +103,9 @@ def test_metrics_every_logs_lines_matching_the_scripts_own_timing(tmp_path):
     for m in lines:
         step = int(m.group(1))
         measured = (forwards[step] - forwards[step - 4]) / 4  # rank 0's own mean over the same steps
-        per_worker, total, workers, step_ms, data_ms, compute_ms = (float(m.group(i).replace(",", "")) for i in range(2, 8))
+        per_worker, total, workers, step_ms, data_ms, compute_ms = (
+            float(m.group(i).replace(",", "")) for i in range(2, 8)
+        )
         assert workers == 2 and total == pytest.approx(2 * per_worker, rel=0.01)
         assert step_ms / 1e3 == pytest.approx(measured, rel=0.15)
         assert per_worker == pytest.approx(8 / measured, rel=0.15)
@@ -93,8 +116,9 @@ def test_a_worker_half_again_as_slow_is_named_and_the_timeline_shows_steps_and_b
     trace = tmp_path / "trace.json"
     env = {"TRAINACCEL_STRAGGLER_EVERY": "4", "TRAINACCEL_TIMELINE": str(trace), "TRAINACCEL_LOG_LEVEL": "debug"}
     # 2 emulated nodes x 2 workers: rank 2 is node 1's first worker; the reduction is hierarchical.
-    procs = run_nodes(SCRIPTS / "straggler_loop.py", "10", "2", nodes=2, per_node=2,
-                      launcher=[*trainaccel_cmd(), "run"], env=env)  # fmt: skip
+    procs = run_nodes(
+        SCRIPTS / "straggler_loop.py", "10", "2", nodes=2, per_node=2, launcher=[*trainaccel_cmd(), "run"], env=env
+    )
     assert all(p.returncode == 0 for p in procs), "\n".join(p.stdout[-3000:] for p in procs)
     out = procs[0].stdout  # rank 0's node
     checks = [int(m.group(1)) for m in CHECK.finditer(out)]
@@ -139,5 +163,8 @@ def test_timeline_is_written_on_rank_zero_or_per_rank_and_closes_as_valid_json(t
     events = json.loads((tmp_path / "trace-1.json").read_text())
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     spans = [(names[e["tid"]], e["name"], e["dur"]) for e in events if e["ph"] == "X"]
-    assert spans == [("bucket 3", "encode", pytest.approx(1000, abs=1)), ("bucket 3.1", "allreduce", pytest.approx(2000, abs=1))]
+    assert spans == [
+        ("bucket 3", "encode", pytest.approx(1000, abs=1)),
+        ("bucket 3.1", "allreduce", pytest.approx(2000, abs=1)),
+    ]
     assert list(names.values()) == ["steps", "bucket 3", "bucket 3.1"] and timeline.current() is None

@@ -40,8 +40,11 @@ def test_init_brings_up_the_process_group_from_open_mpi_variables(tmp_path):
 
 def test_missing_master_address_is_a_clear_error(tmp_path):
     proc = subprocess.run(
-        [sys.executable, SCRIPTS / "mpi_init.py", tmp_path], env=_mpi_env(0, 2, {}), capture_output=True, text=True,
+        [sys.executable, SCRIPTS / "mpi_init.py", tmp_path],
+        env=_mpi_env(0, 2, {}),
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode != 0
     assert "MASTER_ADDR and MASTER_PORT not set" in proc.stderr and "mpirun -x MASTER_ADDR" in proc.stderr

@@ -46,8 +46,12 @@ def test_init_rejects_bad_values_without_patching(clean):
     original = DistributedDataParallel.__init__
     with pytest.raises(trainaccel.ConfigError, match=r"invalid compression='zip' \(from keyword\)"):
         trainaccel.init(compression="zip")
-    with pytest.raises(trainaccel.ConfigError, match=r"invalid compression_ratio=0 \(from keyword\); accepted: a number in \(0, 1\]"):
+    with pytest.raises(
+        trainaccel.ConfigError, match=r"invalid compression_ratio=0 \(from keyword\); accepted: a number in \(0, 1\]"
+    ):
         trainaccel.init(compression="topk", compression_ratio=0)
-    with pytest.raises(trainaccel.ConfigError, match=r"invalid powersgd_rank=0 \(from keyword\); accepted: an integer >= 1"):
+    with pytest.raises(
+        trainaccel.ConfigError, match=r"invalid powersgd_rank=0 \(from keyword\); accepted: an integer >= 1"
+    ):
         trainaccel.init(compression="powersgd", powersgd_rank=0)
     assert DistributedDataParallel.__init__ is original

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -205,8 +205,21 @@ def main() -> int:
         crashed |= unfinished
         # Each launch aligns its ranks in a fresh folder: a relaunch counts its tests from 0 again.
         sync_dir = tempfile.mkdtemp(prefix="sync-", dir=out)
-        cmd = [sys.executable, "-m", "trainaccel", "run", "--nproc-per-node", str(args.nproc),
-               __file__, str(args.horovod_src), "--worker", "--out", str(out), "--sync-dir", sync_dir]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainaccel",
+            "run",
+            "--nproc-per-node",
+            str(args.nproc),
+            __file__,
+            str(args.horovod_src),
+            "--worker",
+            "--out",
+            str(out),
+            "--sync-dir",
+            sync_dir,
+        ]
         if args.expr:
             cmd += ["-k", args.expr]
         for nodeid in sorted(set(results) | crashed):

@@ -44,7 +44,9 @@ def running_stats_factor(bn: _BatchNorm) -> float:
     return 0.0
 
 
-def gathered_batch_norm(bn: _BatchNorm, input: torch.Tensor, factor: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gathered_batch_norm(
+    bn: _BatchNorm, input: torch.Tensor, factor: float, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Training-mode batch norm of `input` with statistics over every rank of `group`, updating `bn`'s running ones.
 
     Ranks' batch sizes may differ, even be empty; gradients are those of one BatchNorm over the joined batch.
@@ -102,7 +104,9 @@ def _node_group() -> dist.ProcessGroup | None:
     return node_group()
 
 
-def convert_sync_batchnorm(module: nn.Module, scope: str = "global", process_group: dist.ProcessGroup | None = None) -> nn.Module:
+def convert_sync_batchnorm(
+    module: nn.Module, scope: str = "global", process_group: dist.ProcessGroup | None = None
+) -> nn.Module:
     """Every BatchNorm*d in `module` -> SyncBatchNorm over all workers (`global`) or this node's (`node`).
 
     `process_group` overrides the scope's group. With `node`, call it on every rank: building node groups is collective.
@@ -118,8 +122,12 @@ def convert_sync_batchnorm(module: nn.Module, scope: str = "global", process_gro
 
 def _convert(module: nn.Module, group: dist.ProcessGroup | None) -> nn.Module:
     out = module
-    if isinstance(module, _BatchNorm) and (type(module) is nn.SyncBatchNorm or not isinstance(module, nn.SyncBatchNorm)):
-        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, group)
+    if isinstance(module, _BatchNorm) and (
+        type(module) is nn.SyncBatchNorm or not isinstance(module, nn.SyncBatchNorm)
+    ):
+        out = SyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, group
+        )
         if module.affine:
             out.weight, out.bias = module.weight, module.bias  # the same Parameters, not copies
         out.running_mean, out.running_var = module.running_mean, module.running_var

@@ -48,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     add_comm_arguments(bench.add_parser("comm", help="allreduce bus bandwidth over message sizes, per codec"))
     from trainaccel.bench.data import add_arguments as add_data_arguments
 
-    add_data_arguments(bench.add_parser("data", help="images/s: per-file loading vs packed shards, cold and warm cache"))
+    add_data_arguments(
+        bench.add_parser("data", help="images/s: per-file loading vs packed shards, cold and warm cache")
+    )
     from trainaccel.bench.embedding import add_arguments as add_embedding_arguments
 
-    add_embedding_arguments(bench.add_parser("embedding", help="lookups/s: dense and sparse nn.EmbeddingBag, dynamic tables, TorchRec"))
+    add_embedding_arguments(
+        bench.add_parser("embedding", help="lookups/s: dense and sparse nn.EmbeddingBag, dynamic tables, TorchRec")
+    )
     packing = commands.add_parser("pack", help="image files into indexed TFRecord shards").add_subparsers(
         dest="pack_command", metavar="{make-list,imagefolder,list,coco}", required=True
     )

@@ -23,8 +23,15 @@ log = logging.getLogger("trainaccel")
 PRESETS = {"default": None, "reduce-overhead": "reduce-overhead", "max-autotune": "max-autotune"}
 
 
-def compile(model: nn.Module, preset: str = "default", *, backend: str | Callable = "inductor",
-            fullgraph: bool = False, dynamic: bool | None = None, fallback: bool = True) -> nn.Module:  # fmt: skip
+def compile(
+    model: nn.Module,
+    preset: str = "default",
+    *,
+    backend: str | Callable = "inductor",
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    fallback: bool = True,
+) -> nn.Module:
     """Compile `model` in place (same object, same state_dict keys) and return it.
 
     `preset`: default, reduce-overhead (CUDA graphs) or max-autotune. With `fallback`, a missing
@@ -77,8 +84,10 @@ def _unsupported_ddp_buckets(model: nn.Module) -> str:
 
     first = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
     if isinstance(model, DistributedDataParallel) and model.bucket_bytes_cap < first:
-        return (f"DDP buckets of {model.bucket_bytes_cap / 2**20:g} MiB are smaller than the first bucket "
-                f"({first / 2**20:g} MiB) that TorchDynamo's DDP graph splitting needs")  # fmt: skip
+        return (
+            f"DDP buckets of {model.bucket_bytes_cap / 2**20:g} MiB are smaller than the first bucket "
+            f"({first / 2**20:g} MiB) that TorchDynamo's DDP graph splitting needs"
+        )
     return ""
 
 

@@ -24,8 +24,9 @@ class ConfigError(ValueError):
         super().__init__(f"invalid {option}={value!r}{where}; accepted: {accepted}")
 
 
-def _choice(*choices: str, aliases: Mapping[str, str] | None = None,
-            booleans: tuple[str, str] | None = None) -> Callable[[str, Any], str]:  # fmt: skip
+def _choice(
+    *choices: str, aliases: Mapping[str, str] | None = None, booleans: tuple[str, str] | None = None
+) -> Callable[[str, Any], str]:
     """Parser for an option that takes one of `choices` or an alias of one (case-insensitive)."""
 
     aliases = dict(aliases or {})
@@ -122,10 +123,18 @@ def _amp_policy(name: str, raw: Any) -> str:
 _amp_policy.accepted = "always, auto[:setting=value,...] or time[:setting=value,...]"  # type: ignore[attr-defined]
 
 
-def _option(default: Any, parse: Callable[[str, Any], Any], help: str, *, aliases: tuple[str, ...] = (),
-            switch: str | None = None) -> Any:  # fmt: skip
+def _option(
+    default: Any,
+    parse: Callable[[str, Any], Any],
+    help: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    switch: str | None = None,
+) -> Any:
     """A Config field; `aliases` are extra command-line flags, `switch` the value a bare flag sets."""
-    return dataclasses.field(default=default, metadata={"parse": parse, "help": help, "aliases": aliases, "switch": switch})
+    return dataclasses.field(
+        default=default, metadata={"parse": parse, "help": help, "aliases": aliases, "switch": switch}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,9 +304,7 @@ class Config:
         env = os.environ if env is None else env
         unknown = set(kwargs) - set(cls.option_names())
         if unknown:
-            raise TypeError(
-                f"unknown trainaccel option(s) {sorted(unknown)}; known: {', '.join(cls.option_names())}"
-            )
+            raise TypeError(f"unknown trainaccel option(s) {sorted(unknown)}; known: {', '.join(cls.option_names())}")
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             candidates = [
@@ -324,8 +331,7 @@ class Config:
     def to_env(self) -> dict[str, str]:
         """The TRAINACCEL_* variables that reproduce this config in another process."""
         return {
-            self.env_name(name): "" if value is None else str(value)
-            for name, value in dataclasses.asdict(self).items()
+            self.env_name(name): "" if value is None else str(value) for name, value in dataclasses.asdict(self).items()
         }
 
     def describe(self) -> str:

@@ -35,11 +35,14 @@ class OverflowingScaler:
         self.scaler.update()
 
 
-@pytest.mark.parametrize("start, end, expected", [
-    (2, 5, [F, F, T, T, T, T, F, F]),
-    (2, None, [F, F, T, T, T, T, T, T]),
-    (0, 0, [T, F, F, F, F, F, F, F]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "start, end, expected",
+    [
+        (2, 5, [F, F, T, T, T, T, F, F]),
+        (2, None, [F, F, T, T, T, T, T, T]),
+        (0, 0, [T, F, F, F, F, F, F, F]),
+    ],
+)
 def test_time(start, end, expected):
     policy = PrecisionPolicy("time", start=start, end=end)
     assert [policy.enabled(epoch=e) for e in range(8)] == expected
@@ -48,25 +51,47 @@ def test_time(start, end, expected):
 LRS = [0.1, 0.1, 0.1, 0.01, 0.01, 0.01, 0.01, 0.001, 0.001, 0.001]
 
 
-@pytest.mark.parametrize("start, end, hold, expected", [
-    (1, None, 2, [F, T, T, F, F, T, T, F, F, T]),  # each schedule step: 2 epochs of full precision
-    (4, None, 2, [F, F, F, F, F, T, T, F, F, T]),  # a hold that began before start still runs out
-    (1, 8, 1, [F, T, T, F, T, T, T, F, T, F]),
-    (0, None, 0, [T] * 10),  # hold 0: learning-rate changes are ignored
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "start, end, hold, expected",
+    [
+        (1, None, 2, [F, T, T, F, F, T, T, F, F, T]),  # each schedule step: 2 epochs of full precision
+        (4, None, 2, [F, F, F, F, F, T, T, F, F, T]),  # a hold that began before start still runs out
+        (1, 8, 1, [F, T, T, F, T, T, T, F, T, F]),
+        (0, None, 0, [T] * 10),  # hold 0: learning-rate changes are ignored
+    ],
+)
 def test_lr(start, end, hold, expected):
     assert decide(PrecisionPolicy("lr", start=start, end=end, hold=hold), lr=LRS) == expected
 
 
 # A loss curve: falling from 2.0, a spike at step 10, NaN at 15, a spike at 21.
-LOSSES = [2.0 - 0.1 * s for s in range(10)] + [3.0, 1.0, 1.0, 1.0, 1.0, NAN, 1.0, 1.0, 1.0, 1.0, 1.0, 2.5, 1.0, 1.0, 1.0]
+LOSSES = [2.0 - 0.1 * s for s in range(10)] + [
+    3.0,
+    1.0,
+    1.0,
+    1.0,
+    1.0,
+    NAN,
+    1.0,
+    1.0,
+    1.0,
+    1.0,
+    1.0,
+    2.5,
+    1.0,
+    1.0,
+    1.0,
+]
 
 
-@pytest.mark.parametrize("interval, interval_hold, expected", [
-    (None, None, [T] * 10 + [F, F, F, T, T, F, F, F, T, T, T, F, F, F, T]),
-    (10, 3, [T] * 10 + [F, F, F, T, T, T, T, T, T, T, T, F, F, F, T]),  # NaN at 15: outside [10, 13), [20, 23)
-    (20, 5, [T] * 10 + [T, T, T, T, T, T, T, T, T, T, T, F, F, F, T]),  # only [20, 25) is checked
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "interval, interval_hold, expected",
+    [
+        (None, None, [T] * 10 + [F, F, F, T, T, F, F, F, T, T, T, F, F, F, T]),
+        (10, 3, [T] * 10 + [F, F, F, T, T, T, T, T, T, T, T, F, F, F, T]),  # NaN at 15: outside [10, 13), [20, 23)
+        (20, 5, [T] * 10 + [T, T, T, T, T, T, T, T, T, T, T, F, F, F, T]),  # only [20, 25) is checked
+    ],
+)
 def test_loss(interval, interval_hold, expected):
     policy = PrecisionPolicy("loss", hold=3, spike=0.5, per="step", interval=interval, interval_hold=interval_hold)
     assert decide(policy, per="step", loss=LOSSES) == expected
@@ -113,26 +138,52 @@ def test_the_integer_policies():
     assert MixedPrecision_TrainingPolicy(0, start_time=0).enable_mixed_precision(0, scaler) is True
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: MixedPrecision_TrainingPolicy(3), "invalid policy=3; accepted: 0 (time), 1 (time + learning rate), 2 (loss)"),
-    (lambda: MixedPrecision_TrainingPolicy(1), "policy 1 (time + learning rate) requires hold_time"),
-    (lambda: MixedPrecision_TrainingPolicy(1, hold_time=2).enable_mixed_precision(3), "policy 1 (time + learning rate) requires lr="),
-    (lambda: MixedPrecision_TrainingPolicy(2).enable_mixed_precision(3), "policy 2 (loss) requires loss="),
-    (lambda: MixedPrecision_TrainingPolicy(1, hold_time=2).enable_mixed_precision(3, 0.1, 0.5), "scaler=0.1 is a number"),
-    (lambda: PrecisionPolicy("fast"), "invalid mode='fast'; accepted: time, lr, loss, auto"),
-    (lambda: PrecisionPolicy("time", start=5, end=2), "invalid end=2; accepted: None (to the end of training) or an integer >= start (5)"),
-    (lambda: PrecisionPolicy(interval=10, interval_hold=20), "invalid interval_hold=20; accepted: an integer from 1 to interval (10)"),
-    (lambda: PrecisionPolicy(dtype="int8"), "invalid dtype='int8'"),
-    (lambda: PrecisionPolicy("time").enabled(step=3), "this policy decides per epoch: pass epoch= as an integer >= 0 (got None)"),
-    (lambda: PrecisionPolicy("lr").enabled(epoch=3), "mode 'lr' needs lr="),
-    (lambda: PrecisionPolicy(lr_tolerance=-1), "invalid lr_tolerance=-1; accepted: a number >= 0"),
-    (lambda: parse_policy("auto:speed=3"), "invalid setting 'speed=3'; accepted: setting=value with settings start, end"),
-    (lambda: parse_policy("auto:hold"), "invalid setting 'hold'"),
-    (lambda: parse_policy("auto:spike=big"), "invalid spike='big'; accepted: a number"),
-    (lambda: parse_policy("sometimes"), "invalid mode='sometimes'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: MixedPrecision_TrainingPolicy(3),
+            "invalid policy=3; accepted: 0 (time), 1 (time + learning rate), 2 (loss)",
+        ),
+        (lambda: MixedPrecision_TrainingPolicy(1), "policy 1 (time + learning rate) requires hold_time"),
+        (
+            lambda: MixedPrecision_TrainingPolicy(1, hold_time=2).enable_mixed_precision(3),
+            "policy 1 (time + learning rate) requires lr=",
+        ),
+        (lambda: MixedPrecision_TrainingPolicy(2).enable_mixed_precision(3), "policy 2 (loss) requires loss="),
+        (
+            lambda: MixedPrecision_TrainingPolicy(1, hold_time=2).enable_mixed_precision(3, 0.1, 0.5),
+            "scaler=0.1 is a number",
+        ),
+        (lambda: PrecisionPolicy("fast"), "invalid mode='fast'; accepted: time, lr, loss, auto"),
+        (
+            lambda: PrecisionPolicy("time", start=5, end=2),
+            "invalid end=2; accepted: None (to the end of training) or an integer >= start (5)",
+        ),
+        (
+            lambda: PrecisionPolicy(interval=10, interval_hold=20),
+            "invalid interval_hold=20; accepted: an integer from 1 to interval (10)",
+        ),
+        (lambda: PrecisionPolicy(dtype="int8"), "invalid dtype='int8'"),
+        (
+            lambda: PrecisionPolicy("time").enabled(step=3),
+            "this policy decides per epoch: pass epoch= as an integer >= 0 (got None)",
+        ),
+        (lambda: PrecisionPolicy("lr").enabled(epoch=3), "mode 'lr' needs lr="),
+        (lambda: PrecisionPolicy(lr_tolerance=-1), "invalid lr_tolerance=-1; accepted: a number >= 0"),
+        (
+            lambda: parse_policy("auto:speed=3"),
+            "invalid setting 'speed=3'; accepted: setting=value with settings start, end",
+        ),
+        (lambda: parse_policy("auto:hold"), "invalid setting 'hold'"),
+        (lambda: parse_policy("auto:spike=big"), "invalid spike='big'; accepted: a number"),
+        (lambda: parse_policy("sometimes"), "invalid mode='sometimes'"),
+    ],
+)
 def test_bad_arguments_are_named(make, message):
-    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+    with pytest.raises(
+        (ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")
+    ):
         make()
 
 
@@ -197,6 +248,11 @@ def test_parse_policy_reads_settings_by_name():
     settings = policy.state_dict()["settings"]
     assert (policy.mode, policy.per) == ("auto", "step")
     assert {k: settings[k] for k in ("start", "end", "hold", "interval", "interval_hold", "spike")} == {
-        "start": 3, "end": None, "hold": 2, "interval": 10, "interval_hold": 5, "spike": 0.25
+        "start": 3,
+        "end": None,
+        "hold": 2,
+        "interval": 10,
+        "interval_hold": 5,
+        "spike": 0.25,
     }
     assert parse_policy("time", per="epoch").per == "epoch"

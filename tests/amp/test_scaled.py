@@ -36,8 +36,13 @@ def _patchable() -> dict[str, object]:
     """What zero-code AMP patches: Tensor.backward, the clipping functions, the schedulers' step."""
     found = {"Tensor.backward": vars(torch.Tensor)["backward"]}
     for module in (torch.nn.utils, clip_grad):
-        found.update({f"{module.__name__}.{name}": value for name, value in vars(module).items() if "clip" in name
-                      or "total_norm" in name})  # fmt: skip
+        found.update(
+            {
+                f"{module.__name__}.{name}": value
+                for name, value in vars(module).items()
+                if "clip" in name or "total_norm" in name
+            }
+        )
     for name, cls in vars(lr_scheduler).items():
         if isinstance(cls, type) and "step" in vars(cls):
             found[f"{name}.step"] = vars(cls)["step"]
@@ -154,10 +159,13 @@ CLIPS = {
     "imported before the patch": lambda m, o: clip_grad_norm_(m.parameters(), 1.0),
     "clip_grad_value_": lambda m, o: torch.nn.utils.clip_grad_value_(m.parameters(), 0.2),
     "get_total_norm, clip_grads_with_norm_": lambda m, o: torch.nn.utils.clip_grads_with_norm_(
-        m.parameters(), 1.0, torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])),
+        m.parameters(), 1.0, torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+    ),
     "the script's own unscale_ first": lambda m, o: (
-        o.trainaccel_scaler.unscale_(o), torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)),
-}  # fmt: skip
+        o.trainaccel_scaler.unscale_(o),
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
+    ),
+}
 
 
 @pytest.mark.parametrize("clip", CLIPS)
@@ -194,8 +202,9 @@ def test_clipping_parameters_of_no_scaled_optimizer_stops_with_the_reason(one_wo
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])  # fused: it skips inside its own step
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler")  # `other` never steps
-def test_schedulers_skip_with_the_optimizer_steps_the_scaler_skipped(one_worker, trainaccel_messages, monkeypatch,
-                                                                     fused):  # fmt: skip
+def test_schedulers_skip_with_the_optimizer_steps_the_scaler_skipped(
+    one_worker, trainaccel_messages, monkeypatch, fused
+):
     monkeypatch.setattr(context, "_said", set())  # said once per process: once per test here
     trainaccel.init(amp="fp16", start_process_group=False)
     model = DDP(_model())
@@ -233,7 +242,7 @@ def test_a_scheduler_stepped_per_epoch_advances_when_any_step_of_the_epoch_was_r
     model = DDP(_model())
     optimizer = trainaccel.amp.scaled(torch.optim.SGD(model.parameters(), lr=0.1))
     per_epoch = lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-    for epoch in range(3):
+    for _epoch in range(3):
         for step, (x, y) in enumerate(_batches(3)):
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
@@ -250,13 +259,25 @@ def test_reset_restores_every_function_it_patched(one_worker):
     patched = _patchable()
     assert {name for name in originals if patched[name] is not originals[name]} == {
         "Tensor.backward",
-        *(f"torch.nn.utils.{name}" for name in
-          ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm")),
-        *(f"torch.nn.utils.clip_grad.{name}" for name in
-          ("clip_grad_norm_", "clip_grad_value_", "_clip_grads_with_norm_", "_get_total_norm")),
-        *(f"{cls}.step" for cls in
-          ("LRScheduler", "ReduceLROnPlateau", "SequentialLR", "ChainedScheduler", "CosineAnnealingWarmRestarts")),
-    }  # fmt: skip
+        *(
+            f"torch.nn.utils.{name}"
+            for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm")
+        ),
+        *(
+            f"torch.nn.utils.clip_grad.{name}"
+            for name in ("clip_grad_norm_", "clip_grad_value_", "_clip_grads_with_norm_", "_get_total_norm")
+        ),
+        *(
+            f"{cls}.step"
+            for cls in (
+                "LRScheduler",
+                "ReduceLROnPlateau",
+                "SequentialLR",
+                "ChainedScheduler",
+                "CosineAnnealingWarmRestarts",
+            )
+        ),
+    }
     assert torch.nn.utils.clip_grad_norm_ is clip_grad.clip_grad_norm_  # one wrapper, wherever it is reached
     amp_ddp.reset()
     assert _patchable() == originals

@@ -64,12 +64,21 @@ def test_amp_fp16_with_the_one_line_scaler(tmp_path, eager):
 def test_amp_level_o1_with_the_auto_policy_holds_full_precision_after_a_learning_rate_drop(tmp_path):
     # spike=10 keeps this noisy toy loss from triggering; the drop at step 15 is seen after that step.
     # Compiled too: the per-step decision must not make the compiler specialise on the step.
-    ranks = _train(tmp_path, "--amp-level", "O1", "--amp-policy", "auto:hold=3,spike=10", "--compile",
-                   script_args=("--lr-drop-at", "15"))  # fmt: skip
+    ranks = _train(
+        tmp_path,
+        "--amp-level",
+        "O1",
+        "--amp-policy",
+        "auto:hold=3,spike=10",
+        "--compile",
+        script_args=("--lr-drop-at", "15"),
+    )
     for r in ranks:
         assert r["inner_dtypes"] == ["torch.bfloat16", "torch.float32"]  # O1 on CPU: bfloat16
         assert r["autocast_forwards"] == STEPS - 3  # steps 16, 17, 18 in full precision
         # torch 2.13: 5 graphs (both precisions, resumed after the untraced decision); tracing the
         # decision, so that the graphs depend on the step, made 10.
         assert 0 < r["compiled_graphs"] <= 6
-    assert _final_loss(ranks) < 0.5 * statistics.mean(r["losses"][0] for r in ranks)  # it trained (slower after the drop)
+    assert _final_loss(ranks) < 0.5 * statistics.mean(
+        r["losses"][0] for r in ranks
+    )  # it trained (slower after the drop)

@@ -21,8 +21,11 @@ def _check_rows(report: dict, world: int, link: float | None) -> None:
     assert report["benchmark"] == "comm" and report["world_size"] == world
     rows = report["rows"]
     assert [(r["compression"], r["size_bytes"]) for r in rows] == [
-        ("none", 4096), ("none", 65536), ("fp16", 4096), ("fp16", 65536)
-    ]  # fmt: skip
+        ("none", 4096),
+        ("none", 65536),
+        ("fp16", 4096),
+        ("fp16", 65536),
+    ]
     for r in rows:
         assert r["time_s"] > 0 and r["busbw_gbit_s"] == pytest.approx(r["algbw_gbit_s"] * 2 * (world - 1) / world)
         assert r["payload_bytes"] == r["size_bytes"] // (2 if r["compression"] == "fp16" else 1)
@@ -32,7 +35,9 @@ def _check_rows(report: dict, world: int, link: float | None) -> None:
 def test_bench_comm_tiny_local_run(tmp_path):
     out = tmp_path / "comm.json"
     plot = tmp_path / "busbw.png"
-    proc = run([*trainaccel_cmd(), "bench", "comm", "--sizes", "4KiB,64KiB", "--iters", "2", "--json", out, "--plot", plot])
+    proc = run(
+        [*trainaccel_cmd(), "bench", "comm", "--sizes", "4KiB,64KiB", "--iters", "2", "--json", out, "--plot", plot]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bench comm" in proc.stdout
     assert plot.read_bytes().startswith(b"\x89PNG")
@@ -46,9 +51,20 @@ def test_bench_comm_tiny_local_run(tmp_path):
 def test_bench_comm_tiny_emulated_run(tmp_path):
     out = tmp_path / "comm.json"
     proc = run(
-        [*trainaccel_cmd(), "bench", "comm", "--sizes", "4KiB,64KiB", "--iters", "2",
-         "--emulate", "nodes=2,procs-per-node=1,link=1gbit", "--json", out]
-    )  # fmt: skip
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "comm",
+            "--sizes",
+            "4KiB,64KiB",
+            "--iters",
+            "2",
+            "--emulate",
+            "nodes=2,procs-per-node=1,link=1gbit",
+            "--json",
+            out,
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check_rows(json.loads(out.read_text()), world=2, link=1.0)
 

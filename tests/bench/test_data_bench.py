@@ -42,13 +42,40 @@ def test_the_transform_gives_the_same_pixels_on_pil_images_and_tensors(tmp_path)
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])
 def test_bench_data_reports_every_arm(tmp_path, dtype):
-    proc = run([*trainaccel_cmd(), "bench", "data", "--work", tmp_path / "work", "--images", 30, "--classes", 3,
-                "--repeats", 1, "--batch-size", 8, "--dtype", dtype, "--json", tmp_path / "out.json"])  # fmt: skip
+    proc = run(
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "data",
+            "--work",
+            tmp_path / "work",
+            "--images",
+            30,
+            "--classes",
+            3,
+            "--repeats",
+            1,
+            "--batch-size",
+            8,
+            "--dtype",
+            dtype,
+            "--json",
+            tmp_path / "out.json",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["settings"]["dtype"] == dtype and "simplejpeg" in proc.stdout  # the decoder table
     assert all(0 < s < 60 for per in report["seconds_to_first_batch"].values() for v in per.values() for s in v)
-    assert set(report["median"]) == {"files", "records", "records-pil", "records-256", "tfrecord", "memory", "loader-only"}
+    assert set(report["median"]) == {
+        "files",
+        "records",
+        "records-pil",
+        "records-256",
+        "tfrecord",
+        "memory",
+        "loader-only",
+    }
     assert all(rate > 0 for per in report["median"].values() for rate in per.values())
     assert report["ratio_to_files"]["files"] == {"cold": 1.0, "warm": 1.0}
     decoders = report["decode_ms_per_image"]

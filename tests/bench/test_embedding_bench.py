@@ -10,16 +10,39 @@ from trainaccel.cli import main
 
 def test_the_arms_run_and_report_lookups(tmp_path, capsys):
     report = tmp_path / "embedding.json"
-    code = main(["bench", "embedding", "--batch-size", "256", "--max-rows", "500", "--steps", "2", "--warmup", "1",
-                 "--repeats", "2", "--arms", "baseline,torch-sparse,trainaccel,torchrec", "--insert-keys", "5000",
-                 "--json", str(report)])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "embedding",
+            "--batch-size",
+            "256",
+            "--max-rows",
+            "500",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "--arms",
+            "baseline,torch-sparse,trainaccel,torchrec",
+            "--insert-keys",
+            "5000",
+            "--json",
+            str(report),
+        ]
+    )
     assert code == 0, capsys.readouterr()
     result = json.loads(report.read_text())
-    assert set(result["arms"]) == {"baseline", "torch-sparse", "trainaccel"} | ({"torchrec"} if torchrec_available() is None else set())
+    assert set(result["arms"]) == {"baseline", "torch-sparse", "trainaccel"} | (
+        {"torchrec"} if torchrec_available() is None else set()
+    )
     assert all(len(a["lookups_per_s"]) == 2 and a["median"] > 0 for a in result["arms"].values())
     assert result["arms"]["trainaccel"]["ratio_vs_baseline"] > 0
     check = result["insert_check"]
-    assert check["every_key_has_its_own_row"] and check["every_row_holds_its_keys_initial_value"] and check["rows"] == 5000
+    assert (
+        check["every_key_has_its_own_row"] and check["every_row_holds_its_keys_initial_value"] and check["rows"] == 5000
+    )
     if torchrec_available() is not None:
         assert "torchrec" in result["skipped"] and "not run" in capsys.readouterr().out
 
@@ -33,7 +56,9 @@ def test_the_key_check_sees_a_collision(monkeypatch):
     assert not insert_check(1000, 4)["every_key_has_its_own_row"]
 
 
-@pytest.mark.parametrize("argv, match", [(["--arms", "gpu"], "invalid --arms 'gpu'"), (["--alpha", "1"], "invalid --alpha 1.0")])
+@pytest.mark.parametrize(
+    "argv, match", [(["--arms", "gpu"], "invalid --arms 'gpu'"), (["--alpha", "1"], "invalid --alpha 1.0")]
+)
 def test_bad_arguments(argv, match, capsys):
     assert main(["bench", "embedding", *argv]) == 2
     assert match in capsys.readouterr().err

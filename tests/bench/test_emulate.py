@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import trainaccel_cmd
-from trainaccel.bench.emulate import EmulatedCluster, Emulation, parse_emulate, namespaces
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, namespaces, parse_emulate
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -38,8 +38,13 @@ s = socket.create_connection((sys.argv[1], 5901)); s.sendall(b"x" * int(sys.argv
 def test_parse_emulate():
     assert parse_emulate("nodes=2,procs-per-node=2,link=500mbit") == Emulation(2, 2, "500mbit")
     assert parse_emulate("link=2Gbit, nodes=3, procs-per-node=1").link_bits_per_s == 2e9
-    for bad in ("nodes=1,procs-per-node=2,link=1gbit", "nodes=2,procs-per-node=2", "nodes=2,procs=2,link=1gbit",
-                "nodes=2,procs-per-node=2,link=fast", "nodes=2,procs-per-node=0,link=1gbit"):  # fmt: skip
+    for bad in (
+        "nodes=1,procs-per-node=2,link=1gbit",
+        "nodes=2,procs-per-node=2",
+        "nodes=2,procs=2,link=1gbit",
+        "nodes=2,procs-per-node=2,link=fast",
+        "nodes=2,procs-per-node=0,link=1gbit",
+    ):
         with pytest.raises(ValueError, match="accepted: nodes=N,procs-per-node=P,link=RATE"):
             parse_emulate(bad)
 
@@ -51,9 +56,17 @@ def _bits_per_s(cluster: EmulatedCluster, sender_node: int, receiver_node: int, 
     try:
         assert receiver.stdout.readline().strip() == "ready"
         subprocess.run(
-            [*cluster.exec_prefix(sender_node), sys.executable, "-c", SENDER, cluster.address(receiver_node), str(nbytes)],
-            check=True, timeout=60,
-        )  # fmt: skip
+            [
+                *cluster.exec_prefix(sender_node),
+                sys.executable,
+                "-c",
+                SENDER,
+                cluster.address(receiver_node),
+                str(nbytes),
+            ],
+            check=True,
+            timeout=60,
+        )
         return float(receiver.communicate(timeout=60)[0].strip())
     finally:
         receiver.kill()
@@ -73,12 +86,29 @@ def test_link_is_shaped_between_nodes_and_not_within_a_node():
 @needs_netns
 def test_no_namespace_survives_ctrl_c(tmp_path):
     proc = subprocess.Popen(
-        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "50", "--warmup", "1", "--repeats", "3",
-         "--batch-size", "2", "--emulate", "nodes=2,procs-per-node=1,link=100mbit"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "train",
+            "--model",
+            "mlp",
+            "--steps",
+            "50",
+            "--warmup",
+            "1",
+            "--repeats",
+            "3",
+            "--batch-size",
+            "2",
+            "--emulate",
+            "nodes=2,procs-per-node=1,link=100mbit",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # A suite started in the background (`cmd &`) inherits SIGINT ignored; a user's Ctrl-C is not.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    )
     prefix = f"ta{proc.pid}-"
     deadline = time.monotonic() + 60
     while not namespaces(prefix) and time.monotonic() < deadline and proc.poll() is None:
@@ -102,11 +132,33 @@ def test_emulate_without_root_says_what_is_needed(monkeypatch):
 def test_bench_train_on_an_emulated_cluster_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.Popen(
-        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "1",
-         "--batch-size", "2", "--arms", "baseline,trainaccel", "--compression", "bf16",
-         "--emulate", "nodes=2,procs-per-node=1,link=1gbit", "--json", out],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "train",
+            "--model",
+            "mlp",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "2",
+            "--arms",
+            "baseline,trainaccel",
+            "--compression",
+            "bf16",
+            "--emulate",
+            "nodes=2,procs-per-node=1,link=1gbit",
+            "--json",
+            out,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stdout + stderr
     assert namespaces(f"ta{proc.pid}-") == []

@@ -12,11 +12,33 @@ def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_op
     # One run for both concerns (each arm is a 2-worker job): the report's shape, and the options each arm sees.
     out = tmp_path / "bench.json"
     proc = run(
-        [*trainaccel_cmd(), "bench", "train", "--model", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "1",
-         "--batch-size", "4", "--arms", "baseline,local", "--variant", "sparse:compression=randomk,compression-ratio=0.25",
-         "--variant", "fast:amp=bf16", "--json", out, "--plot", tmp_path / "arms.png"],
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "train",
+            "--model",
+            "mlp",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "4",
+            "--arms",
+            "baseline,local",
+            "--variant",
+            "sparse:compression=randomk,compression-ratio=0.25",
+            "--variant",
+            "fast:amp=bf16",
+            "--json",
+            out,
+            "--plot",
+            tmp_path / "arms.png",
+        ],
         env={"COLUMNS": "200", "TRAINACCEL_COMPRESSION": "bf16"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bench train mlp" in proc.stdout and "vs baseline" in proc.stdout
     assert (tmp_path / "arms.png").read_bytes().startswith(b"\x89PNG")
@@ -47,8 +69,16 @@ def test_summaries_pair_each_repeat_with_the_baselines_and_take_medians():
     from trainaccel.bench.train import summarize
 
     def result(rate: float, loss: float) -> dict:
-        return {"examples_per_s_per_worker": rate, "bytes_per_step": 8.0, "peak_memory_bytes": int(rate), "comm_hook": None,
-                "parameters": 3, "amp": None, "compiled": False, "final_loss": loss}  # fmt: skip
+        return {
+            "examples_per_s_per_worker": rate,
+            "bytes_per_step": 8.0,
+            "peak_memory_bytes": int(rate),
+            "comm_hook": None,
+            "parameters": 3,
+            "amp": None,
+            "compiled": False,
+            "final_loss": loss,
+        }
 
     runs = {
         "baseline": [result(10, 1.0), result(20, 2.0), result(40, 3.0)],
@@ -68,7 +98,10 @@ def test_bench_train_rejects_bad_arguments(capsys):
 
     for args, message in [
         (["--arms", "baseline,fast"], "invalid --arms 'baseline,fast'"),
-        (["--model", "deepfm", "--arms", "local"], "invalid --arms 'local' for deepfm; accepted: a comma-separated subset of baseline, trainaccel"),
+        (
+            ["--model", "deepfm", "--arms", "local"],
+            "invalid --arms 'local' for deepfm; accepted: a comma-separated subset of baseline, trainaccel",
+        ),
         (["--repeats", "0"], "invalid --repeats 0; accepted: an integer >= 1"),
         (["--compression", "zip"], "invalid compression='zip' (from --compression)"),
         (["--variant", "local:compression=fp16"], "invalid --variant 'local:compression=fp16'"),
@@ -84,9 +117,28 @@ def test_bench_train_rejects_bad_arguments(capsys):
 def test_bench_train_deepfm_runs_both_arms(tmp_path):
     out = tmp_path / "deepfm.json"
     proc = run(
-        [*trainaccel_cmd(), "bench", "train", "--model", "deepfm", "--steps", "3", "--warmup", "1", "--repeats", "1",
-         "--batch-size", "64", "--max-rows", "1000", "--embedding-dim", "4", "--json", out],
-    )  # fmt: skip
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "train",
+            "--model",
+            "deepfm",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "64",
+            "--max-rows",
+            "1000",
+            "--embedding-dim",
+            "4",
+            "--json",
+            out,
+        ],
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     arms = json.loads(out.read_text())["arms"]
     assert list(arms) == ["baseline", "trainaccel"]

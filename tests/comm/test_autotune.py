@@ -16,7 +16,7 @@ def test_candidates_on_several_nodes_cover_flat_and_hierarchy_chunk_sizes():
     found = candidate_configs(Config.resolve(env={}, compression="fp16"), multi_node=True)
     labels = [label for label, _, _ in found]
     assert labels[0] == "fp16 flat" and "none hierarchical 16 MiB" in labels and len(labels) == 8
-    for label, config, chunk in found:
+    for _label, config, chunk in found:
         assert config.autotune == "off"
         assert (config.hierarchical == "on") == (chunk is not None)
     forced = candidate_configs(Config.resolve(env={}, hierarchical="off"), multi_node=True)

@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainaccel.comm as comm
 from trainaccel.comm.buckets import follow_bucket
 
-
 pytestmark = pytest.mark.usefixtures("one_process_group")
 
 
@@ -66,7 +65,7 @@ def test_an_unknown_format_is_refused_with_the_formats():
 
 def test_bucket_state_follows_its_parameters_when_ddp_renumbers_the_buckets():
     state = comm.comm_state(trained("topk"))
-    (index, signature), = state.signatures.items()
+    ((index, signature),) = state.signatures.items()
     residual = state.feedback.residuals[index]
     follow_bucket(state, index, (99,))  # another bucket at that index: the residual is parked under its parameters
     assert index not in state.feedback.residuals and state.parked[signature]["residual"][None] is residual

@@ -16,14 +16,41 @@ def _start(*args) -> subprocess.Popen:
 def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
     began = time.monotonic()
     # Both jobs at once (they mostly wait): one rank hangs; one emulated node's only worker dies.
-    hung = _start(*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, "--collective-timeout", TIMEOUT_S,
-                  SCRIPTS / "stall_at_step.py", "hang", 5, 1)  # fmt: skip
+    hung = _start(
+        *trainaccel_cmd(),
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        2,
+        "--collective-timeout",
+        TIMEOUT_S,
+        SCRIPTS / "stall_at_step.py",
+        "hang",
+        5,
+        1,
+    )
     port = free_port()
     nodes = [
-        _start(*trainaccel_cmd(), "run", "--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1,
-               "--master-addr", "127.0.0.1", "--master-port", port, SCRIPTS / "stall_at_step.py", "die", 5, 1)
+        _start(
+            *trainaccel_cmd(),
+            "run",
+            "--nnodes",
+            2,
+            "--node-rank",
+            node,
+            "--nproc-per-node",
+            1,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            SCRIPTS / "stall_at_step.py",
+            "die",
+            5,
+            1,
+        )
         for node in range(2)
-    ]  # fmt: skip
+    ]
     try:
         hung_out, _ = hung.communicate(timeout=90)
         hung_s = time.monotonic() - began
@@ -39,7 +66,9 @@ def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
 
     assert all(p.returncode != 0 for p in nodes), node_outs[0][-3000:]
     named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, local rank 0\): "
-    assert re.search(named + r"no heartbeat for \d+ s, its process is gone or frozen", node_outs[0]), node_outs[0][-3000:]
+    assert re.search(named + r"no heartbeat for \d+ s, its process is gone or frozen", node_outs[0]), node_outs[0][
+        -3000:
+    ]
 
 
 def test_timeouts_apply_to_groups_created_without_one():

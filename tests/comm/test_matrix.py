@@ -11,8 +11,19 @@ import pytest
 from conftest import SCRIPTS, run_nodes
 
 CODECS = ["none", "fp16", "bf16", "topk", "randomk", "powersgd"]
-SETTINGS = ["plain", "find_unused", "bucket_view", "static_graph", "no_sync", "mixed_dtype",
-            "fp16_model", "bf16_model", "sparse", "two_models", "spike"]  # fmt: skip
+SETTINGS = [
+    "plain",
+    "find_unused",
+    "bucket_view",
+    "static_graph",
+    "no_sync",
+    "mixed_dtype",
+    "fp16_model",
+    "bf16_model",
+    "sparse",
+    "two_models",
+    "spike",
+]
 SPIKE_STEP = 12
 # A cell whose codec loses nothing for the model's dtype: `none`, or a cast to the dtype the model already has.
 LOSSLESS = {("none", s) for s in SETTINGS} | {("fp16", "fp16_model"), ("bf16", "bf16_model")}

@@ -67,9 +67,17 @@ def test_powersgd_exact_for_low_rank_and_a_projection_otherwise(ranks):
 # fp16 4e-5, topk 10% 0.09, topk 1% 0.57, randomk 10% 0.13, powersgd rank 2 0.14; without error
 # feedback topk 10% 0.66, topk 1% 0.94, randomk 0.90). The bounds leave room for other torch builds.
 @pytest.mark.parametrize(
-    "name, bound", [("fp16", 1e-4), ("topk", 0.15), ("topk_1%", 0.65), ("topk_hierarchical", 0.15),
-                    ("randomk", 0.3), ("powersgd", 0.2), ("powersgd_buckets", 0.2),
-                    ("hierarchical_buckets", 1e-6)],  # fmt: skip
+    "name, bound",
+    [
+        ("fp16", 1e-4),
+        ("topk", 0.15),
+        ("topk_1%", 0.65),
+        ("topk_hierarchical", 0.15),
+        ("randomk", 0.3),
+        ("powersgd", 0.2),
+        ("powersgd_buckets", 0.2),
+        ("hierarchical_buckets", 1e-6),
+    ],
 )
 def test_error_feedback_tracks_the_exact_sum(ranks, name, bound):
     for r in ranks:
@@ -78,7 +86,6 @@ def test_error_feedback_tracks_the_exact_sum(ranks, name, bound):
         if "rel_err_without_feedback" in e:
             assert e["rel_err"] <= 0.7 * e["rel_err_without_feedback"]
     assert ranks[0]["feedback_topk_hierarchical"]["hierarchical"] is True
-
 
 
 def test_uneven_nodes_reduce_flat_with_one_warning(tmp_path):

@@ -24,8 +24,9 @@ def launch(out_dir, compression, *args, fail=True, bucket_mb=None):
 
 
 # One bucket, or one per parameter (0.001 MiB): DDP's first buckets then split the parameters otherwise.
-@pytest.mark.parametrize("compression, bucket_mb", [("topk", None), ("topk", 0.001), ("randomk", 0.001),
-                                                    ("powersgd", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "compression, bucket_mb", [("topk", None), ("topk", 0.001), ("randomk", 0.001), ("powersgd", None)]
+)
 def test_a_restarted_job_resumes_the_exact_trajectory(tmp_path, compression, bucket_mb):
     reference, _ = launch(tmp_path / "uninterrupted", compression, "--every-rank", fail=False, bucket_mb=bucket_mb)
     resumed, _ = launch(tmp_path / "restarted", compression, "--every-rank", bucket_mb=bucket_mb)

@@ -7,10 +7,9 @@ import torch
 from PIL import Image
 from tfrecord.writer import TFRecordWriter
 
+from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
 from trainaccel.data import CorruptRecordError, ImageRecord, RecordDataset, RecordWriter, ShardSampler
 from trainaccel.data.pack import PackOptions, folder_items, pack
-
-from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
 
 
 def jpeg(colour, size=(80, 60)) -> bytes:
@@ -123,8 +122,18 @@ def test_two_ranks_under_trainaccel_run_cover_each_epoch_once_and_resume(tmp_pat
     shards = write_shards(tmp_path / "s", shards=5, per_shard=5)  # 25 records: rank parts padded to 13
     out = tmp_path / "out"
     out.mkdir()
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, SCRIPTS / "record_epochs.py", out,
-                shards / "*.tfrecord"])  # fmt: skip
+    proc = run(
+        [
+            *trainaccel_cmd(),
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            2,
+            SCRIPTS / "record_epochs.py",
+            out,
+            shards / "*.tfrecord",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = read_ranks(out, 2)
     assert [r["world"] for r in ranks] == [2, 2]

@@ -144,14 +144,18 @@ def test_coco_boxes_categories_and_annotations(tmp_path):
     for i, size in enumerate([(200, 100), (50, 40), (80, 80)]):
         Image.new("RGB", size, (i * 60, 0, 0)).save(images / f"{i}.jpg")
     annotations = {
-        "images": [{"id": 7, "file_name": "0.jpg", "width": 200, "height": 100},
-                   {"id": 8, "file_name": "1.jpg", "width": 50, "height": 40},
-                   {"id": 9, "file_name": "2.jpg", "width": 80, "height": 80}],
+        "images": [
+            {"id": 7, "file_name": "0.jpg", "width": 200, "height": 100},
+            {"id": 8, "file_name": "1.jpg", "width": 50, "height": 40},
+            {"id": 9, "file_name": "2.jpg", "width": 80, "height": 80},
+        ],
         "categories": [{"id": 1, "name": "cat"}, {"id": 3, "name": "dog"}],
-        "annotations": [{"id": 1, "image_id": 7, "bbox": [20, 10, 100, 50], "category_id": 3, "area": 5000, "iscrowd": 0},
-                        {"id": 2, "image_id": 7, "bbox": [0, 0, 200, 100], "category_id": 1, "area": 20000, "iscrowd": 1},
-                        {"id": 3, "image_id": 8, "bbox": [5, 4, 10, 8], "category_id": 1, "area": 80}],
-    }  # fmt: skip
+        "annotations": [
+            {"id": 1, "image_id": 7, "bbox": [20, 10, 100, 50], "category_id": 3, "area": 5000, "iscrowd": 0},
+            {"id": 2, "image_id": 7, "bbox": [0, 0, 200, 100], "category_id": 1, "area": 20000, "iscrowd": 1},
+            {"id": 3, "image_id": 8, "bbox": [5, 4, 10, 8], "category_id": 1, "area": 80},
+        ],
+    }
     (tmp_path / "instances.json").write_text(json.dumps(annotations))
     proc = pack("coco", tmp_path / "instances.json", images, tmp_path / "out", "--max-side", "100")
     assert proc.returncode == 0, proc.stderr
@@ -159,13 +163,25 @@ def test_coco_boxes_categories_and_annotations(tmp_path):
     assert [r.filename for r in records] == ["0.jpg", "1.jpg", "2.jpg"] and manifest["labels"] == {"cat": 1, "dog": 3}
     assert (records[0].width, records[0].height) == (100, 50)  # resized; normalized boxes still hold
     shard = tmp_path / "out" / manifest["shards"][0]["name"]
-    theirs = list(tfrecord_loader(str(shard), None, {
-        "image/object/bbox/xmin": "float", "image/object/bbox/ymax": "float", "image/object/class/label": "int",
-        "image/object/class/text": "byte", "image/object/is_crowd": "int", "image/coco/annotations": "byte",
-        "image/source_id": "byte",
-    }))  # fmt: skip
+    theirs = list(
+        tfrecord_loader(
+            str(shard),
+            None,
+            {
+                "image/object/bbox/xmin": "float",
+                "image/object/bbox/ymax": "float",
+                "image/object/class/label": "int",
+                "image/object/class/text": "byte",
+                "image/object/is_crowd": "int",
+                "image/coco/annotations": "byte",
+                "image/source_id": "byte",
+            },
+        )
+    )
     first = theirs[0]
-    assert first["image/object/bbox/xmin"] == pytest.approx([0.1, 0.0]) and first["image/object/bbox/ymax"] == pytest.approx([0.6, 1.0])
+    assert first["image/object/bbox/xmin"] == pytest.approx([0.1, 0.0]) and first[
+        "image/object/bbox/ymax"
+    ] == pytest.approx([0.6, 1.0])
     assert first["image/object/class/label"].tolist() == [3, 1] and first["image/object/is_crowd"].tolist() == [0, 1]
     assert first["image/source_id"] == b"7" and json.loads(first["image/coco/annotations"])[1]["id"] == 2
     assert theirs[2]["image/object/class/label"].tolist() == []  # no objects: empty, still typed lists

@@ -9,16 +9,25 @@ from tfrecord.tools.tfrecord2idx import create_index
 from tfrecord.writer import TFRecordWriter
 
 from trainaccel.data import (
-    CorruptRecordError, ImageRecord, RecordFile, RecordWriter, build_index, decode_example, encode_example, read_index,
-)  # fmt: skip
+    CorruptRecordError,
+    ImageRecord,
+    RecordFile,
+    RecordWriter,
+    build_index,
+    decode_example,
+    encode_example,
+    read_index,
+)
 
 DESCRIPTION = {"image/encoded": "byte", "image/class/label": "int", "image/filename": "byte"}
 
 
 def images(n: int = 5) -> list[ImageRecord]:
     """Records of different sizes (so offsets differ), with bytes that are not valid UTF-8."""
-    return [ImageRecord(bytes([255, i]) * (10 + 7 * i), label=i % 3, height=4, width=6, filename=f"c{i % 3}/{i}.jpg")
-            for i in range(n)]  # fmt: skip
+    return [
+        ImageRecord(bytes([255, i]) * (10 + 7 * i), label=i % 3, height=4, width=6, filename=f"c{i % 3}/{i}.jpg")
+        for i in range(n)
+    ]
 
 
 def write_shard(path, records) -> None:
@@ -53,8 +62,13 @@ def test_we_read_shards_the_tfrecord_package_wrote(tmp_path):
     shard = tmp_path / "theirs.tfrecord"
     writer = TFRecordWriter(str(shard))
     for image in images():
-        writer.write({"image/encoded": (image.encoded, "byte"), "image/class/label": (image.label, "int"),
-                      "image/filename": (image.filename.encode(), "byte")})  # fmt: skip
+        writer.write(
+            {
+                "image/encoded": (image.encoded, "byte"),
+                "image/class/label": (image.label, "int"),
+                "image/filename": (image.filename.encode(), "byte"),
+            }
+        )
     writer.close()
     create_index(str(shard), str(tmp_path / "theirs.index"))
     for index in (None, tmp_path / "theirs.index"):  # built by scanning, or theirs

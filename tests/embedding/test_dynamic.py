@@ -29,7 +29,12 @@ def _train_lookup(table: DynamicEmbedding, keys: torch.Tensor) -> torch.Tensor:
 def test_every_key_reads_back_its_own_row_through_growth():
     g = torch.Generator().manual_seed(0)
     keys = torch.unique(torch.randint(-(2**63), 2**63 - 1, (60_000,), generator=g))
-    keys = torch.cat([torch.tensor([-(2**63), 2**63 - 1, 0, -1]), keys[~torch.isin(keys, torch.tensor([-(2**63), 2**63 - 1, 0, -1]))]])
+    keys = torch.cat(
+        [
+            torch.tensor([-(2**63), 2**63 - 1, 0, -1]),
+            keys[~torch.isin(keys, torch.tensor([-(2**63), 2**63 - 1, 0, -1]))],
+        ]
+    )
     table = DynamicEmbedding(3, initial_capacity=16)
     for chunk in keys.split(7_000):  # the index and the rows grow several times
         _train_lookup(table, chunk)

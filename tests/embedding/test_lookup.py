@@ -75,9 +75,17 @@ def _layouts(case):
     indices = torch.stack([bag, position], 1)[shuffle]
     shape = (len(LENGTHS), max(LENGTHS))
     yield "offsets", dict(ids=values, offsets=offsets), weights
-    yield "SparseTensor", dict(ids=SparseTensor(indices, values[shuffle], shape)), SparseTensor(indices, weights[shuffle], shape)
+    yield (
+        "SparseTensor",
+        dict(ids=SparseTensor(indices, values[shuffle], shape)),
+        SparseTensor(indices, weights[shuffle], shape),
+    )
     coo = torch.sparse_coo_tensor(indices.T, values[shuffle], shape, check_invariants=True)
-    yield "torch sparse", dict(ids=coo), torch.sparse_coo_tensor(indices.T, weights[shuffle], shape, check_invariants=True)
+    yield (
+        "torch sparse",
+        dict(ids=coo),
+        torch.sparse_coo_tensor(indices.T, weights[shuffle], shape, check_invariants=True),
+    )
 
 
 @pytest.mark.parametrize("combiner", COMBINERS)
@@ -87,7 +95,9 @@ def test_dynamic_lookup_equals_embedding_bag_forward_and_backward(case, combiner
     weight = _rows(table, vocab)
     expected, reference = _bag_reference(weight, case, weighted, combiner)
     (expected * case["upstream"]).sum().backward()
-    loop = _loop_reference(weight, case["positions"], case["weights"] if weighted else torch.ones_like(case["weights"]), combiner)
+    loop = _loop_reference(
+        weight, case["positions"], case["weights"] if weighted else torch.ones_like(case["weights"]), combiner
+    )
     torch.testing.assert_close(expected, loop, rtol=1e-6, atol=1e-7)
     assert torch.equal(expected[1], torch.zeros(DIM)) and torch.equal(expected[4], torch.zeros(DIM))
 
@@ -113,7 +123,9 @@ def test_plain_tables_take_the_same_path(case):
 
 
 def test_all_empty_bags_give_zeros(case):
-    out = embedding_lookup_sparse(case["table"], torch.empty(0, dtype=torch.int64), offsets=torch.zeros(3, dtype=torch.int64))
+    out = embedding_lookup_sparse(
+        case["table"], torch.empty(0, dtype=torch.int64), offsets=torch.zeros(3, dtype=torch.int64)
+    )
     assert torch.equal(out, torch.zeros(3, DIM))
 
 
@@ -134,7 +146,11 @@ def test_sqrtn_scales_by_the_root_of_the_squared_weights():
         (dict(offsets=torch.tensor([0, 9])), ValueError, "the last is 9 but there are 3 ids"),
         (dict(weights=torch.ones(2)), ValueError, "2 values for 3 ids"),
         (dict(ids=torch.tensor([1, 2, 3]), offsets=None), ValueError, "without offsets"),
-        (dict(ids=SparseTensor(torch.tensor([[0, 0], [5, 0]]), torch.tensor([1, 2]), (2, 1)), offsets=None), ValueError, "outside"),
+        (
+            dict(ids=SparseTensor(torch.tensor([[0, 0], [5, 0]]), torch.tensor([1, 2]), (2, 1)), offsets=None),
+            ValueError,
+            "outside",
+        ),
     ],
 )
 def test_bad_input_is_named(kwargs, error, match):

@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from trainaccel.embedding import DynamicEmbedding, RowWiseAdagrad, SparseAdagrad, SparseAdam, SparseSGD, embedding_lookup_sparse
+from trainaccel.embedding import (
+    DynamicEmbedding,
+    RowWiseAdagrad,
+    SparseAdagrad,
+    SparseAdam,
+    SparseSGD,
+    embedding_lookup_sparse,
+)
 
 DIM, KEYS, STEPS = 4, 12, 6
 UNTOUCHED = [10, 11]  # never looked up
@@ -70,7 +77,9 @@ def test_matches_the_dense_optimizer_and_leaves_untouched_rows(ours, theirs, hp)
     assert torch.equal(got[UNTOUCHED], initial[UNTOUCHED])
     if ours is SparseAdagrad:
         state = table.row_state["sum"][table._find_rows(KEYS_T)]
-        torch.testing.assert_close(state, dense_opt.state[dense_opt.param_groups[0]["params"][0]]["sum"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            state, dense_opt.state[dense_opt.param_groups[0]["params"][0]]["sum"], rtol=1e-6, atol=1e-7
+        )
         assert torch.equal(state[UNTOUCHED], torch.full((2, DIM), 0.1))
 
 
@@ -119,7 +128,9 @@ def test_state_is_reset_when_an_evicted_row_is_reused():
     assert torch.equal(table.row_state["sum"][table._find_rows(torch.tensor([3]))], torch.zeros(1, 2))
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(lr=-1), "invalid lr -1"), (dict(betas=(0.9, 1.0)), r"invalid betas\[1\]")])
+@pytest.mark.parametrize(
+    "kwargs, match", [(dict(lr=-1), "invalid lr -1"), (dict(betas=(0.9, 1.0)), r"invalid betas\[1\]")]
+)
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SparseAdam(DynamicEmbedding(2), **kwargs)

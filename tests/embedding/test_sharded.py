@@ -32,7 +32,12 @@ def _merged(files: list[Path]) -> dict[str, dict[str, torch.Tensor]]:
             keys = torch.cat([p[table][prefix + "keys"] for p in parts if table in p])
             order = torch.argsort(keys)
             for field in parts[0][table]:
-                if field.startswith(prefix) and (prefix or not field.startswith("pending_")) and field not in ("step",) and not field.startswith("scalar."):
+                if (
+                    field.startswith(prefix)
+                    and (prefix or not field.startswith("pending_"))
+                    and field not in ("step",)
+                    and not field.startswith("scalar.")
+                ):
                     fields[field] = torch.cat([p[table][field] for p in parts if table in p])[order]
         merged[table] = fields
     return merged
@@ -48,7 +53,10 @@ def _assert_same_tables(loaded: dict, truth: dict) -> None:
 
 
 def test_sharded_training_equals_one_table_on_the_global_batch(saved_at_two):
-    assert sorted(p.name for p in saved_at_two.glob("shard-*")) == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert sorted(p.name for p in saved_at_two.glob("shard-*")) == [
+        "shard-00000-of-00002.safetensors",
+        "shard-00001-of-00002.safetensors",
+    ]
 
 
 def test_save_at_two_load_at_one(saved_at_two, tmp_path):
@@ -111,5 +119,7 @@ def test_get_variable_is_created_once_and_looks_up_like_a_table():
 def test_a_bad_combiner_is_named_before_the_collection_changes():
     collection = ShardedEmbeddingCollection({"a": 2})
     with pytest.raises(ValueError, match="invalid combiner 'max'"):
-        collection({"a": torch.empty(0, dtype=torch.int64)}, offsets={"a": torch.zeros(2, dtype=torch.int64)}, combiner="max")
+        collection(
+            {"a": torch.empty(0, dtype=torch.int64)}, offsets={"a": torch.zeros(2, dtype=torch.int64)}, combiner="max"
+        )
     assert len(collection) == 0 and collection._exchanges == []

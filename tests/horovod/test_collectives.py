@@ -19,7 +19,10 @@ def test_process_sets_join_gradients_and_reinit(tmp_path, workers):
     ranks = run_checks("horovod_more.py", tmp_path, workers)
     # Errors inside a process set name global ranks; after join only allreduce goes on.
     if workers == 3:
-        assert ranks[0]["errors"]["mismatch in a set"] == "allreduce: tensor shapes differ across ranks (rank 0 (1,), rank 2 (3,))"
+        assert (
+            ranks[0]["errors"]["mismatch in a set"]
+            == "allreduce: tensor shapes differ across ranks (rank 0 (1,), rank 2 (3,))"
+        )
     assert ranks[1]["errors"]["allgather after join"].startswith("allgather: ranks [0] have joined")
 
 

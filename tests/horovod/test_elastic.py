@@ -15,8 +15,21 @@ N = 80  # samples in the script's dataset
 
 
 def launch(out: Path, tag: str, workers: int, *flags, script_args=(), env=None):
-    return run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, *flags,
-                SCRIPTS / "horovod_elastic.py", out, tag, *script_args], env=env)  # fmt: skip
+    return run(
+        [
+            *trainaccel_cmd(),
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            workers,
+            *flags,
+            SCRIPTS / "horovod_elastic.py",
+            out,
+            tag,
+            *script_args,
+        ],
+        env=env,
+    )
 
 
 def incarnation(out: Path, tag: str, restart: int) -> list[list[dict]]:
@@ -92,8 +105,9 @@ def test_failure_without_restarts_then_resume_on_more_workers(tmp_path):
     state = tmp_path / "state"
     env = {"TRAINACCEL_ELASTIC_DIR": str(state)}
     # No --max-restarts (torchrun's default is 0): the failure ends the job, the commit stays on disk.
-    first = launch(tmp_path, "two", 2, script_args=["--crash-step", 4, "--epochs", 1, "--crash-kind", "internal"],
-                   env=env)  # fmt: skip
+    first = launch(
+        tmp_path, "two", 2, script_args=["--crash-step", 4, "--epochs", 1, "--crash-kind", "internal"], env=env
+    )
     output = first.stdout + first.stderr
     assert first.returncode != 0, output
     lines = [line for line in output.splitlines() if "hvd.elastic: HorovodInternalError: injected failure" in line]

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import SCRIPTS, run_checks
 
-WORKER = r'''
+WORKER = r"""
 import sys
 
 import torch
@@ -75,7 +75,7 @@ raises("unnamed, out of order", unnamed, RuntimeError, "ranks called different o
 check("still in step", torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))))
 checks.write(sys.argv[1], r)
 hvd.shutdown()
-'''
+"""
 
 
 @pytest.mark.parametrize("workers", [2, 3])

@@ -37,8 +37,18 @@ def reference(world: int, passes: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("workers, passes", [(3, 1), (2, 2)])  # 3 splits unevenly; (2, 1) added only time
 def test_horovod_script_matches_single_process_training(tmp_path, workers, passes):
     out = tmp_path / "params.pt"
-    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
-                SCRIPTS / "horovod_train.py", out, passes])  # fmt: skip
+    proc = run(
+        [
+            *trainaccel_cmd(),
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            workers,
+            SCRIPTS / "horovod_train.py",
+            out,
+            passes,
+        ]
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     trained = torch.load(out)
     assert trained["size"] == workers

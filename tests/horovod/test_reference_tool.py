@@ -7,7 +7,7 @@ from conftest import run
 
 TOOL = Path(__file__).parents[2] / "tools" / "horovod_reference.py"
 
-SUITE = '''
+SUITE = """
 import unittest
 
 import torch
@@ -36,7 +36,7 @@ class TorchTests(unittest.TestCase):
     def test_c_allgather(self):
         hvd.init()
         self.assertEqual(hvd.allgather(torch.full((1,), float(hvd.rank()))).tolist(), [float(k) for k in range(hvd.size())])
-'''
+"""
 
 
 def test_a_failure_on_some_ranks_does_not_spill_into_the_next_tests(tmp_path):

@@ -18,10 +18,22 @@ def launched(tmp_path_factory):
     def get(workers: int) -> list[dict]:
         if workers not in done:
             out = tmp_path_factory.mktemp(f"sync_bn_{workers}")
-            proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers,
-                        SCRIPTS / "horovod_sync_bn.py", out])  # fmt: skip
-            done[workers] = (proc.stdout + proc.stderr if proc.returncode
-                             else [torch.load(out / f"rank{r}.pt") for r in range(workers)])
+            proc = run(
+                [
+                    *trainaccel_cmd(),
+                    "run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    workers,
+                    SCRIPTS / "horovod_sync_bn.py",
+                    out,
+                ]
+            )
+            done[workers] = (
+                proc.stdout + proc.stderr
+                if proc.returncode
+                else [torch.load(out / f"rank{r}.pt") for r in range(workers)]
+            )
         assert not isinstance(done[workers], str), done[workers]
         return done[workers]
 
@@ -101,8 +113,12 @@ def test_without_a_job_it_is_batch_norm(shape):
         (sync(x) * g).sum().backward()
         (ref(x2) * g).sum().backward()
         torch.testing.assert_close(x.grad, x2.grad)
-    for a, b in [(sync.weight.grad, ref.weight.grad), (sync.bias.grad, ref.bias.grad),
-                 (sync.running_mean, ref.running_mean), (sync.running_var, ref.running_var)]:  # fmt: skip
+    for a, b in [
+        (sync.weight.grad, ref.weight.grad),
+        (sync.bias.grad, ref.bias.grad),
+        (sync.running_mean, ref.running_mean),
+        (sync.running_var, ref.running_var),
+    ]:
         torch.testing.assert_close(a, b)
     x = torch.randn(shape, dtype=torch.float64)
     torch.testing.assert_close(sync.eval()(x), ref.eval()(x))

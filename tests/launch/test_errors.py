@@ -8,26 +8,47 @@ from conftest import SCRIPTS, run, trainaccel_cmd
 @pytest.mark.parametrize(
     "flags, env, expected",
     [
-        ([], {"TRAINACCEL_COMPRESSION": "zip"},
-         "trainaccel run: error: invalid compression='zip' (from TRAINACCEL_COMPRESSION); "
-         "accepted: none, fp16, bf16, topk, randomk, powersgd"),
-        (["--compression", "topk", "--compression-ratio", "1.5"], {},
-         "trainaccel run: error: invalid compression_ratio='1.5' (from --compression-ratio); accepted: a number in (0, 1]"),
-        (["--compression", "topk"], {"TRAINACCEL_COMPRESSION_RATIO": "0"},
-         "trainaccel run: error: invalid compression_ratio='0' (from TRAINACCEL_COMPRESSION_RATIO); "
-         "accepted: a number in (0, 1]"),
-        (["--compression", "powersgd", "--powersgd-rank", "0"], {},
-         "trainaccel run: error: invalid powersgd_rank='0' (from --powersgd-rank); accepted: an integer >= 1"),
-        (["--bucket-mb", "-1"], {},
-         "trainaccel run: error: invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)"),
-        (["--nan-check", "sometimes"], {},
-         "trainaccel run: error: invalid nan_check='sometimes' (from --nan-check); accepted: off, warn, raise"),
-        (["--amp-level", "O1"], {"TRAINACCEL_AMP_POLICY": "loss:hold=3"},
-         "trainaccel run: error: invalid amp_policy='loss:hold=3' (from TRAINACCEL_AMP_POLICY); accepted: always, "
-         "auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, "
-         "before the first step too: use it through the API"),
+        (
+            [],
+            {"TRAINACCEL_COMPRESSION": "zip"},
+            "trainaccel run: error: invalid compression='zip' (from TRAINACCEL_COMPRESSION); "
+            "accepted: none, fp16, bf16, topk, randomk, powersgd",
+        ),
+        (
+            ["--compression", "topk", "--compression-ratio", "1.5"],
+            {},
+            "trainaccel run: error: invalid compression_ratio='1.5' (from --compression-ratio); accepted: a number in (0, 1]",
+        ),
+        (
+            ["--compression", "topk"],
+            {"TRAINACCEL_COMPRESSION_RATIO": "0"},
+            "trainaccel run: error: invalid compression_ratio='0' (from TRAINACCEL_COMPRESSION_RATIO); "
+            "accepted: a number in (0, 1]",
+        ),
+        (
+            ["--compression", "powersgd", "--powersgd-rank", "0"],
+            {},
+            "trainaccel run: error: invalid powersgd_rank='0' (from --powersgd-rank); accepted: an integer >= 1",
+        ),
+        (
+            ["--bucket-mb", "-1"],
+            {},
+            "trainaccel run: error: invalid bucket_mb='-1' (from --bucket-mb); accepted: a number > 0 (MiB)",
+        ),
+        (
+            ["--nan-check", "sometimes"],
+            {},
+            "trainaccel run: error: invalid nan_check='sometimes' (from --nan-check); accepted: off, warn, raise",
+        ),
+        (
+            ["--amp-level", "O1"],
+            {"TRAINACCEL_AMP_POLICY": "loss:hold=3"},
+            "trainaccel run: error: invalid amp_policy='loss:hold=3' (from TRAINACCEL_AMP_POLICY); accepted: always, "
+            "auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, "
+            "before the first step too: use it through the API",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_option_exits_before_workers(tmp_path, flags, env, expected):
     marker = tmp_path / "started"
     proc = run(

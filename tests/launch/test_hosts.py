@@ -1,4 +1,5 @@
 import shlex
+
 import pytest
 
 from conftest import run, trainaccel_cmd
@@ -42,9 +43,23 @@ def _flag(argv: list[str], name: str) -> str:
 
 def test_dry_run_prints_one_torchrun_per_host(tmp_path):
     proc = run(
-        [*trainaccel_cmd(), "run", "-np", "4", "-H", "localhost:2,otherhost:2", "--compression", "fp16",
-         "--max-restarts", "1", "--dry-run", "train.py", "--epochs", "3"]
-    )  # fmt: skip
+        [
+            *trainaccel_cmd(),
+            "run",
+            "-np",
+            "4",
+            "-H",
+            "localhost:2,otherhost:2",
+            "--compression",
+            "fp16",
+            "--max-restarts",
+            "1",
+            "--dry-run",
+            "train.py",
+            "--epochs",
+            "3",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     local, remote = _commands(proc.stdout)
     assert "TRAINACCEL_COMPRESSION=fp16" in local

@@ -42,8 +42,19 @@ def test_plain_torchrun_reports_no_hook(tmp_path):
 
 
 def test_python_m_trainaccel_launch_flags_beat_env(tmp_path):
-    launcher = [sys.executable, "-m", "trainaccel.launch", "--nproc_per_node", "2", "--master-port", free_port(),
-                "--bucket-mb", "1", "--compression", "fp16"]  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "trainaccel.launch",
+        "--nproc_per_node",
+        "2",
+        "--master-port",
+        free_port(),
+        "--bucket-mb",
+        "1",
+        "--compression",
+        "fp16",
+    ]
     for r in _train(launcher, tmp_path, env={"TRAINACCEL_COMPRESSION": "bf16", "TRAINACCEL_BUCKET_MB": "64"}):
         assert r["comm_hook"] == "trainaccel_comm_hook"
         # 20 steps: the first reduced exactly (before DDP's final buckets), then fp16.

@@ -21,7 +21,7 @@ model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)), b
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(rank)
 labels_seen = []
-for step in range(60):
+for _step in range(60):
     x, y = torch.randn(32, 256, generator=g), torch.randint(0, 10, (32,), generator=g)
     loss = nn.functional.cross_entropy(model(x), y)
     optimizer.zero_grad()
@@ -32,6 +32,14 @@ tuner = comm_state(model)
 # After the choice, parameters are still identical on every rank.
 digest = torch.cat([p.detach().flatten() for p in model.parameters()]).sum().item()
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
-    json.dump({"chosen": tuner.chosen.label if tuner.chosen else None, "candidates": [c.label for c in tuner.candidates],
-               "timed": {k: len(v) for k, v in tuner.times.items()}, "labels_seen": labels_seen, "digest": digest}, f)  # fmt: skip
+    json.dump(
+        {
+            "chosen": tuner.chosen.label if tuner.chosen else None,
+            "candidates": [c.label for c in tuner.candidates],
+            "timed": {k: len(v) for k, v in tuner.times.items()},
+            "labels_seen": labels_seen,
+            "digest": digest,
+        },
+        f,
+    )
 dist.destroy_process_group()

@@ -74,7 +74,11 @@ found: dict = {"rank": rank}
 for name, options in {"flat": dict(hierarchical="off"), "hierarchical": dict(hierarchical="on")}.items():
     model, state = fresh(**options)
     errors = [(applied(model, rank, step) - exact_mean(world, step)).abs().max().item() for step in (1, 2, 3)]
-    found[name] = {"max_abs_err": max(errors), "hierarchical": state.hierarchical, "bytes_per_step": state.bytes_per_step() if state.builtin else state.bytes_sent / 3}
+    found[name] = {
+        "max_abs_err": max(errors),
+        "hierarchical": state.hierarchical,
+        "bytes_per_step": state.bytes_per_step() if state.builtin else state.bytes_sent / 3,
+    }
 
 # fp16 across nodes (full precision within): rounding only.
 model, state = fresh(compression="fp16", hierarchical="on")
@@ -100,8 +104,10 @@ ratio = 0.01
 model, state = fresh(compression="topk", compression_ratio=ratio)
 result, exact = applied(model, rank, 1), exact_mean(world, 1)
 k = -(-(N + ROWS * COLS) * ratio // 1)
-taus = [torch.cat([x, m.flatten()]).abs().kthvalue(N + ROWS * COLS - int(k) + 1).values.item()
-        for x, m in (gradient(r, 1) for r in range(world))]  # fmt: skip
+taus = [
+    torch.cat([x, m.flatten()]).abs().kthvalue(N + ROWS * COLS - int(k) + 1).values.item()
+    for x, m in (gradient(r, 1) for r in range(world))
+]
 found["topk"] = {
     "max_abs_err": (result - exact).abs().max().item(),
     "bound": sum(taus) / world,

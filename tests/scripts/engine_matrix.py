@@ -23,8 +23,19 @@ from trainaccel.comm import register
 STEPS, SPIKE_STEP, SPIKE, SKIP_NORM = 30, 12, 1e8, 1e4
 IN, HIDDEN, OUT, BATCH, VOCAB = 16, 32, 4, 16, 64
 CODECS = ["none", "fp16", "bf16", "topk", "randomk", "powersgd"]
-SETTINGS = ["plain", "find_unused", "bucket_view", "static_graph", "no_sync", "mixed_dtype",
-            "fp16_model", "bf16_model", "sparse", "two_models", "spike"]  # fmt: skip
+SETTINGS = [
+    "plain",
+    "find_unused",
+    "bucket_view",
+    "static_graph",
+    "no_sync",
+    "mixed_dtype",
+    "fp16_model",
+    "bf16_model",
+    "sparse",
+    "two_models",
+    "spike",
+]
 
 teacher = torch.Generator().manual_seed(1234)
 W1, W2 = torch.randn(IN, HIDDEN, generator=teacher) / IN**0.5, torch.randn(HIDDEN, OUT, generator=teacher) / HIDDEN**0.5
@@ -62,8 +73,11 @@ class Net(nn.Module):
 
 def build(setting: str, options: dict | None) -> tuple[list[DDP], list, list[torch.optim.Optimizer]]:
     """The DDP model(s) of a setting, each registered with `options` (None: plain DDP), and their optimizers."""
-    kwargs = {"find_unused_parameters": setting == "find_unused", "gradient_as_bucket_view": setting == "bucket_view",
-              "static_graph": setting == "static_graph"}  # fmt: skip
+    kwargs = {
+        "find_unused_parameters": setting == "find_unused",
+        "gradient_as_bucket_view": setting == "bucket_view",
+        "static_graph": setting == "static_graph",
+    }
     net = Net(setting)
     if setting in ("fp16_model", "bf16_model"):
         net.to(torch.float16 if setting == "fp16_model" else torch.bfloat16)
@@ -145,7 +159,12 @@ for setting in SETTINGS:
         for hierarchical in ("off", "on"):
             # nan_check=warn: `none` flat would otherwise hand the bucket to DDP's own C++ allreduce.
             # compression_ratio=0.1: randomk sends every element once per 10 steps, several times in the run.
-            options = {"compression": codec, "hierarchical": hierarchical, "nan_check": "warn", "compression_ratio": 0.1}
+            options = {
+                "compression": codec,
+                "hierarchical": hierarchical,
+                "nan_check": "warn",
+                "compression_ratio": 0.1,
+            }
             cell = train(setting, options, SPIKE)
             cell["max_diff_from_plain"] = (cell.pop("params") - plain["params"]).abs().max().item()
             if setting == "spike":  # the same run with that step skipped and no spike

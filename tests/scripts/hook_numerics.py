@@ -49,8 +49,12 @@ for codec in ("none", "fp16", "bf16"):
     model(inputs(rank)).backward()
     err = (model.module.weight.grad - exact).abs().max().item()
     sent = state.bytes_per_step() if state.builtin else state.bytes_sent - before
-    found[codec] = {"max_abs_err": err, "bytes_per_step": sent, "steps": state.steps,
-                    "hook": model._get_ddp_logging_data().get("comm_hook")}  # fmt: skip
+    found[codec] = {
+        "max_abs_err": err,
+        "bytes_per_step": sent,
+        "steps": state.steps,
+        "hook": model._get_ddp_logging_data().get("comm_hook"),
+    }
 
 # nan_check=raise: a non-finite gradient on one rank fails the step on every rank, naming the parameter.
 model = DDP(Weights())

@@ -26,13 +26,18 @@ mine = values[r]
 for dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64):
     stack = torch.stack([v.to(dtype) for v in values])
     expected = {
-        hvd.Sum: stack.sum(0), hvd.Min: stack.min(0).values, hvd.Max: stack.max(0).values,
+        hvd.Sum: stack.sum(0),
+        hvd.Min: stack.min(0).values,
+        hvd.Max: stack.max(0).values,
         hvd.Product: stack.prod(0),
         hvd.Average: stack.sum(0) / n if dtype.is_floating_point else stack.sum(0).div(n, rounding_mode="floor"),
-    }  # fmt: skip
+    }
     for op, want in expected.items():
         got = hvd.allreduce(mine.to(dtype), op=op)
-        check(f"allreduce {dtype} {op.name}", got.dtype == dtype and torch.allclose(got.double(), want.double(), rtol=1e-3))
+        check(
+            f"allreduce {dtype} {op.name}",
+            got.dtype == dtype and torch.allclose(got.double(), want.double(), rtol=1e-3),
+        )
 check("allreduce average=False is Sum", torch.equal(hvd.allreduce(mine, average=False), sum(values)))
 scaled = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
 check("pre/postscale", torch.allclose(scaled, sum(values)))
@@ -58,7 +63,9 @@ for label, start in [
     ("grouped_allreduce_async_", lambda name: hvd.grouped_allreduce_async_([mine.clone()], name=name)),
 ]:
     handle = start(f"{label}.x")
-    raises(f"{label} duplicate name", lambda: start(f"{label}.x"), ValueError, "already in flight")
+    raises(
+        f"{label} duplicate name", lambda start=start, label=label: start(f"{label}.x"), ValueError, "already in flight"
+    )
     result = hvd.synchronize(handle)
     check(f"{label} result", result is not None and hvd.poll(handle))
     hvd.synchronize(start(f"{label}.x"))  # the name is free again
@@ -66,7 +73,10 @@ for label, start in [
 # allgather: rank k sends k+1 rows filled with k.
 rows = torch.full((r + 1, 3), float(r))
 gathered = hvd.allgather(rows)
-check("allgather uneven first dims", torch.equal(gathered, torch.cat([torch.full((k + 1, 3), float(k)) for k in range(n)])))
+check(
+    "allgather uneven first dims",
+    torch.equal(gathered, torch.cat([torch.full((k + 1, 3), float(k)) for k in range(n)])),
+)
 check("allgather fp16", hvd.allgather(rows.half()).dtype == torch.float16)
 
 # alltoall: rank r sends k+1 rows (filled with 10*r + k) to rank k.
@@ -75,7 +85,9 @@ out, received = hvd.alltoall(send, splits=[k + 1 for k in range(n)])
 check("alltoall splits", received.tolist() == [r + 1] * n)
 check("alltoall data", torch.equal(out, torch.cat([torch.full((r + 1, 2), float(10 * k + r)) for k in range(n)])))
 even = hvd.alltoall(torch.arange(float(n * 2)).reshape(n, 2) + 100 * r)
-check("alltoall even", torch.equal(even, torch.stack([torch.tensor([2.0 * r, 2.0 * r + 1]) + 100 * k for k in range(n)])))
+check(
+    "alltoall even", torch.equal(even, torch.stack([torch.tensor([2.0 * r, 2.0 * r + 1]) + 100 * k for k in range(n)]))
+)
 raises("alltoall bad splits", lambda: hvd.alltoall(send, splits=[1] * n), ValueError, "add up to the first dimension")
 
 # reducescatter: rows split as evenly as possible, lower ranks first.
@@ -90,16 +102,27 @@ check("reducescatter average", torch.allclose(got, total[start : start + share[r
 
 # grouped forms: one call, a list in, a list out, each element as its single-tensor op.
 pair = [mine, mine * 2]
-check("grouped_allreduce", all(torch.allclose(g, sum(values) * f / n) for g, f in zip(hvd.grouped_allreduce(pair), (1, 2))))
+check(
+    "grouped_allreduce",
+    all(torch.allclose(g, sum(values) * f / n) for g, f in zip(hvd.grouped_allreduce(pair), (1, 2))),
+)
 inplace = [t.clone() for t in pair]
-check("grouped_allreduce_", hvd.grouped_allreduce_(inplace, op=hvd.Sum)[1] is inplace[1] and torch.allclose(inplace[1], sum(values) * 2))
+check(
+    "grouped_allreduce_",
+    hvd.grouped_allreduce_(inplace, op=hvd.Sum)[1] is inplace[1] and torch.allclose(inplace[1], sum(values) * 2),
+)
 h = hvd.grouped_allreduce_async(pair, name="group", op=hvd.Max)
 got = hvd.synchronize(h)
-check("grouped_allreduce_async", hvd.poll(h) and torch.equal(got[0], values[-1]) and torch.equal(got[1], values[-1] * 2))
+check(
+    "grouped_allreduce_async", hvd.poll(h) and torch.equal(got[0], values[-1]) and torch.equal(got[1], values[-1] * 2)
+)
 g = hvd.grouped_allgather([torch.full((r + 1,), float(r)), torch.full((1, 2), float(r))])
 check("grouped_allgather", g[0].numel() == sum(k + 1 for k in range(n)) and g[1].shape == (n, 2))
 rs = hvd.grouped_reducescatter([torch.ones(n, 2), torch.ones(2 * n)], op=hvd.Sum)
-check("grouped_reducescatter", torch.equal(rs[0], torch.full((1, 2), float(n))) and torch.equal(rs[1], torch.full((2,), float(n))))
+check(
+    "grouped_reducescatter",
+    torch.equal(rs[0], torch.full((1, 2), float(n))) and torch.equal(rs[1], torch.full((2,), float(n))),
+)
 
 root = n - 1
 b = hvd.broadcast(mine, root_rank=root)
@@ -119,18 +142,33 @@ check("alltoall fp16", out16.dtype == torch.float16 and out16[:, 0].tolist() == 
 rs16 = hvd.reducescatter(torch.ones(n, 2).half(), op=hvd.Sum)
 check("reducescatter fp16", rs16.dtype == torch.float16 and torch.equal(rs16, torch.full((1, 2), float(n)).half()))
 gr16 = hvd.grouped_allreduce([half, half * 2], op=hvd.Sum)
-check("grouped_allreduce fp16", all(t.dtype == torch.float16 for t in gr16) and torch.allclose(gr16[1].float(), sum(values) * 2))
+check(
+    "grouped_allreduce fp16",
+    all(t.dtype == torch.float16 for t in gr16) and torch.allclose(gr16[1].float(), sum(values) * 2),
+)
 check("allgather_object fp16 tensor", hvd.allgather_object(half)[root].dtype == torch.float16)
 
 # Mismatches raise the same error on every rank instead of hanging.
 raises("shape mismatch", lambda: hvd.allreduce(torch.ones(r + 2)), RuntimeError, "tensor shapes differ across ranks")
-raises("dtype mismatch", lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64)),
-       RuntimeError, "tensor dtypes differ across ranks")  # fmt: skip
-raises("allgather trailing dims", lambda: hvd.allgather(torch.ones(2, r + 1)), RuntimeError,
-       "shapes (beyond the first dimension) differ")  # fmt: skip
+raises(
+    "dtype mismatch",
+    lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64)),
+    RuntimeError,
+    "tensor dtypes differ across ranks",
+)
+raises(
+    "allgather trailing dims",
+    lambda: hvd.allgather(torch.ones(2, r + 1)),
+    RuntimeError,
+    "shapes (beyond the first dimension) differ",
+)
 raises("broadcast roots", lambda: hvd.broadcast(torch.ones(2), root_rank=r), RuntimeError, "root ranks differ")
-raises("op mismatch", lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max), RuntimeError,
-       "reduction ops differ")  # fmt: skip
+raises(
+    "op mismatch",
+    lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max),
+    RuntimeError,
+    "reduction ops differ",
+)
 raises("adasum", lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), ValueError, "Adasum is not supported")
 check("still in step after errors", torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n))))
 

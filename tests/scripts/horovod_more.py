@@ -50,7 +50,10 @@ raises("grouped dtypes", lambda: hvd.grouped_allreduce(mixed), RuntimeError, "di
 
 # Sparse allreduce gathers indices and values: rank k touches rows k and k+1.
 sparse = torch.sparse_coo_tensor([[r, r + 1], [0, 1]], [1.0, 2.0], (n + 1, 2), check_invariants=True)
-dense = sum(torch.sparse_coo_tensor([[k, k + 1], [0, 1]], [1.0, 2.0], (n + 1, 2), check_invariants=True).to_dense() for k in range(n))
+dense = sum(
+    torch.sparse_coo_tensor([[k, k + 1], [0, 1]], [1.0, 2.0], (n + 1, 2), check_invariants=True).to_dense()
+    for k in range(n)
+)
 check("sparse_allreduce_async", close(hvd.sparse_allreduce_async(sparse, "s", hvd.Sum)().to_dense(), dense))
 
 # Process sets: evens and odds, every rank registers both in the same order.
@@ -58,35 +61,71 @@ evens, odds = [k for k in range(n) if k % 2 == 0], [k for k in range(n) if k % 2
 even_set, odd_set = hvd.add_process_set(evens), hvd.add_process_set(hvd.ProcessSet(odds))
 mine, other = (even_set, odd_set) if r % 2 == 0 else (odd_set, even_set)
 members = mine.ranks
-check("set queries", mine.size() == len(members) and mine.rank() == members.index(r) and mine.included()
-      and other.included() is False and other.rank() is None and hvd.global_process_set.size() == n)  # fmt: skip
+check(
+    "set queries",
+    mine.size() == len(members)
+    and mine.rank() == members.index(r)
+    and mine.included()
+    and other.included() is False
+    and other.rank() is None
+    and hvd.global_process_set.size() == n,
+)
 t = torch.full((2,), float(r + 1))
-check("allreduce in a set", torch.equal(hvd.allreduce(t, op=hvd.Sum, process_set=mine), torch.full((2,), float(sum(k + 1 for k in members)))))
+check(
+    "allreduce in a set",
+    torch.equal(hvd.allreduce(t, op=hvd.Sum, process_set=mine), torch.full((2,), float(sum(k + 1 for k in members)))),
+)
 check("allgather in a set", hvd.allgather(t[:1], process_set=mine).tolist() == [float(k + 1) for k in members])
 check("broadcast in a set", hvd.broadcast(t, members[-1], process_set=mine).tolist() == [float(members[-1] + 1)] * 2)
-check("alltoall in a set", hvd.alltoall(torch.full((len(members),), float(r)), process_set=mine).tolist() == [float(k) for k in members])
-check("reducescatter in a set", hvd.reducescatter(torch.ones(len(members), 2), op=hvd.Sum, process_set=mine).tolist() == [[float(len(members))] * 2])
-check("objects in a set", hvd.allgather_object(r, process_set=mine) == members
-      and hvd.broadcast_object(r, members[0], process_set=mine) == members[0])  # fmt: skip
+check(
+    "alltoall in a set",
+    hvd.alltoall(torch.full((len(members),), float(r)), process_set=mine).tolist() == [float(k) for k in members],
+)
+check(
+    "reducescatter in a set",
+    hvd.reducescatter(torch.ones(len(members), 2), op=hvd.Sum, process_set=mine).tolist()
+    == [[float(len(members))] * 2],
+)
+check(
+    "objects in a set",
+    hvd.allgather_object(r, process_set=mine) == members
+    and hvd.broadcast_object(r, members[0], process_set=mine) == members[0],
+)
 hvd.barrier(process_set=mine)
 raises("foreign set", lambda: hvd.allreduce(t, process_set=other), ValueError, f"rank {r} is not in")
-raises("root outside the set", lambda: hvd.broadcast(t, other.ranks[0], process_set=mine), ValueError, "a rank of the process set")
+raises(
+    "root outside the set",
+    lambda: hvd.broadcast(t, other.ranks[0], process_set=mine),
+    ValueError,
+    "a rank of the process set",
+)
 raises("duplicate set", lambda: hvd.add_process_set(evens), ValueError, "already exists")
 raises("bad ranks", lambda: hvd.add_process_set([0, n]), ValueError, f"distinct ranks from 0 to {n - 1}")
 if len(members) > 1:
-    raises("mismatch in a set", lambda: hvd.allreduce(torch.ones(r + 1), process_set=mine), RuntimeError, "shapes differ")
+    raises(
+        "mismatch in a set", lambda: hvd.allreduce(torch.ones(r + 1), process_set=mine), RuntimeError, "shapes differ"
+    )
 
 # DistributedOptimizer on the even set: evens average, odd ranks step on their own gradients.
 torch.manual_seed(0)
 model = torch.nn.Linear(3, 1)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), process_set=even_set)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), process_set=even_set
+)
 model(torch.full((1, 3), float(r + 1))).sum().backward()
 opt.step()
 weights = hvd.allgather(model.weight.detach())
-expected_grad = torch.full((1, 3), sum(k + 1.0 for k in evens) / len(evens)) if r % 2 == 0 else torch.full((1, 3), r + 1.0)
+expected_grad = (
+    torch.full((1, 3), sum(k + 1.0 for k in evens) / len(evens)) if r % 2 == 0 else torch.full((1, 3), r + 1.0)
+)
 check("optimizer on a set", close(model.weight.grad, expected_grad) and close(weights[evens[0]], weights[evens[-1]]))
-check("remove_process_set", hvd.remove_process_set(odd_set) and hvd.remove_process_set(even_set)
-      and not hvd.remove_process_set(even_set) and not hvd.remove_process_set(hvd.global_process_set))  # fmt: skip
+check(
+    "remove_process_set",
+    hvd.remove_process_set(odd_set)
+    and hvd.remove_process_set(even_set)
+    and not hvd.remove_process_set(even_set)
+    and not hvd.remove_process_set(hvd.global_process_set),
+)
 raises("removed set", lambda: hvd.allreduce(t, process_set=even_set), ValueError, "not registered")
 
 # join: rank 0 runs out of data first; the others go on reducing, rank 0 contributes the identity.
@@ -102,6 +141,7 @@ else:
     raises("allgather after join", lambda: hvd.allgather(torch.ones(1)), RuntimeError, "[0] have joined")
     last = hvd.join()
 check("join returns the last to join", hvd.allgather_object(last) == [n - 1] * n)
+
 
 # DistributedOptimizer with join: rank k has k+1 batches. Once a rank joins it adds zeros (the
 # average still divides by size()); the last to join holds the trained model and broadcasts it.
@@ -151,8 +191,12 @@ for step in range(2):
     corrected = [c + res for c, res in zip(coeffs, residuals)]
     residuals = [c - top2(c) for c in corrected]
     check(f"topk step {step}", close(p8.grad, sum(top2(c) for c in corrected) / n))
-raises("topk in allreduce", lambda: hvd.allreduce(torch.ones(2), compression=hvd.Compression.topk()), ValueError,
-       "pass it to DistributedOptimizer")  # fmt: skip
+raises(
+    "topk in allreduce",
+    lambda: hvd.allreduce(torch.ones(2), compression=hvd.Compression.topk()),
+    ValueError,
+    "pass it to DistributedOptimizer",
+)
 opt = hvd.DistributedOptimizer(torch.optim.SGD([p8], lr=0.0), [("p8", p8)], compression=hvd.Compression.bf16)
 opt.zero_grad()
 (p8 * coeffs[r]).sum().backward()

@@ -49,7 +49,9 @@ check("explicit groups", all(close(p.grad, mean) for p in (a, b, c)) and len(opt
 # Sparse gradients: rank k looks up rows k and k+1 of an embedding.
 for as_dense in (False, True):
     emb = torch.nn.Embedding(n + 1, 2, sparse=True)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.0), emb.named_parameters(), sparse_as_dense=as_dense)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.0), emb.named_parameters(), sparse_as_dense=as_dense
+    )
     emb(torch.tensor([r, r + 1])).sum().backward()
     opt.step()
     want = torch.zeros(n + 1, 2)
@@ -57,6 +59,7 @@ for as_dense in (False, True):
         want[k] += 1.0 / n
         want[k + 1] += 1.0 / n
     check(f"sparse_as_dense={as_dense}", emb.weight.grad.is_sparse and close(emb.weight.grad.to_dense(), want))
+
 
 def same(a, b) -> bool:
     """Equal state dicts: tensors equal elementwise, containers item by item."""
@@ -70,8 +73,16 @@ def same(a, b) -> bool:
 
 
 # broadcast_optimizer_state: every torch.optim optimizer, state and hyperparameters from the root.
-classes = sorted((c for c in vars(torch.optim).values() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-                  and c not in (torch.optim.Optimizer, torch.optim.LBFGS, torch.optim.SparseAdam)), key=lambda c: c.__name__)  # fmt: skip
+classes = sorted(
+    (
+        c
+        for c in vars(torch.optim).values()
+        if isinstance(c, type)
+        and issubclass(c, torch.optim.Optimizer)
+        and c not in (torch.optim.Optimizer, torch.optim.LBFGS, torch.optim.SparseAdam)
+    ),
+    key=lambda c: c.__name__,
+)
 for cls in classes:
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(3, 3))  # 2-D: every optimizer accepts it (Muon needs 2-D)
@@ -80,7 +91,10 @@ for cls in classes:
     optimizer.step()  # rank-dependent state
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     root = hvd.allgather_object(optimizer.state_dict())[0]
-    check(f"broadcast_optimizer_state {cls.__name__}", same(optimizer.state_dict(), root) and optimizer.param_groups[0]["lr"] == 0.01)
+    check(
+        f"broadcast_optimizer_state {cls.__name__}",
+        same(optimizer.state_dict(), root) and optimizer.param_groups[0]["lr"] == 0.01,
+    )
 checks.info["optimizers"] = [c.__name__ for c in classes]
 
 checks.write(sys.argv[1], r)

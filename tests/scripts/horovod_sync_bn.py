@@ -16,8 +16,16 @@ hvd.init()
 rank, size = hvd.rank(), hvd.size()
 
 
-def run_case(seed: int, rows: int, shape: tuple, dtype: torch.dtype, momentum: float | None = 0.1,
-             track: bool = True, process_set=None, steps: int = 3) -> dict:  # fmt: skip
+def run_case(
+    seed: int,
+    rows: int,
+    shape: tuple,
+    dtype: torch.dtype,
+    momentum: float | None = 0.1,
+    track: bool = True,
+    process_set=None,
+    steps: int = 3,
+) -> dict:
     """Train `steps` steps on this rank's own data, then evaluate; return everything the test compares."""
     channels = shape[0]
     bn = SyncBatchNorm(channels, momentum=momentum, track_running_stats=track, process_set=process_set).to(dtype)
@@ -34,11 +42,22 @@ def run_case(seed: int, rows: int, shape: tuple, dtype: torch.dtype, momentum: f
         bn.zero_grad()
         out = bn(x)
         (out * g).sum().backward()
-        record["steps"].append({"x": x.detach(), "g": g, "out": out.detach(), "dx": x.grad,
-                                "dw": bn.weight.grad.clone(), "db": bn.bias.grad.clone()})  # fmt: skip
+        record["steps"].append(
+            {
+                "x": x.detach(),
+                "g": g,
+                "out": out.detach(),
+                "dx": x.grad,
+                "dw": bn.weight.grad.clone(),
+                "db": bn.bias.grad.clone(),
+            }
+        )
     if track:
-        record.update(running_mean=bn.running_mean.clone(), running_var=bn.running_var.clone(),
-                      num_batches_tracked=int(bn.num_batches_tracked))  # fmt: skip
+        record.update(
+            running_mean=bn.running_mean.clone(),
+            running_var=bn.running_var.clone(),
+            num_batches_tracked=int(bn.num_batches_tracked),
+        )
     bn.eval()
     x = torch.randn(rows, *shape, generator=data, dtype=dtype) * 3 + 50
     record["eval"] = {"x": x, "out": bn(x).detach()}

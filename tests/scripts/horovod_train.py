@@ -27,10 +27,11 @@ model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                     backward_passes_per_step=passes)  # fmt: skip
+optimizer = hvd.DistributedOptimizer(
+    optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=passes
+)
 
-for epoch in range(2):
+for _epoch in range(2):
     for i, (xb, yb) in enumerate(loader):
         loss = F.mse_loss(model(xb), yb) / passes
         loss.backward()

@@ -26,8 +26,9 @@ class TwoBranches(nn.Module):
 for num_groups in (0, 2):
     torch.manual_seed(0)
     model = TwoBranches()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                   named_parameters=model.named_parameters(), num_groups=num_groups)  # fmt: skip
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters(), num_groups=num_groups
+    )
     x = torch.full((1, 4), float(r + 1))
     model(x, use_b=(r == 0)).sum().backward()  # b is used on rank 0 only
     opt.synchronize()

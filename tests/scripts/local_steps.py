@@ -58,6 +58,13 @@ for i in range(2):
 
 error = max((a - b).abs().max().item() for a, b in zip(net.parameters(), reference.parameters()))
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
-    json.dump({"max_abs_err": error, "hook_steps": state.steps, "syncing": syncing,
-               "grads_cleared": all(p.grad is None for p in net.parameters())}, f)  # fmt: skip
+    json.dump(
+        {
+            "max_abs_err": error,
+            "hook_steps": state.steps,
+            "syncing": syncing,
+            "grads_cleared": all(p.grad is None for p in net.parameters()),
+        },
+        f,
+    )
 dist.destroy_process_group()

@@ -21,7 +21,7 @@ rank = dist.get_rank()
 model = DDP(nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 forwards = []
-for step in range(steps):
+for _step in range(steps):
     time.sleep(DATA_S)  # "loading" the batch, between the optimizer step and the forward
     forwards.append(time.perf_counter())
     loss = model(torch.randn(BATCH, 16)).pow(2).mean()

@@ -4,11 +4,10 @@ import json
 import os
 import sys
 
-from torch.nn.parallel import DistributedDataParallel as DDP  # imported before init(): still patched
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP  # imported before init(): still patched
 
 import trainaccel
 

@@ -21,8 +21,9 @@ dataset = RecordDataset(shards, output="bytes", target_transform=int)
 
 
 def labels(sampler: ShardSampler, batches: int | None = None) -> list[int]:
-    loader = torch.utils.data.DataLoader(dataset, batch_size=3, sampler=sampler, num_workers=2,
-                                         collate_fn=lambda batch: [label for _, label in batch])  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=3, sampler=sampler, num_workers=2, collate_fn=lambda batch: [label for _, label in batch]
+    )
     seen = []
     for number, batch in enumerate(loader):
         if number == batches:
@@ -43,7 +44,15 @@ state = sampler.state_dict(consumed=len(interrupted))
 resumed = ShardSampler(dataset, seed=7, window=5)
 resumed.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint would store it
 rest = labels(resumed)
-Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
-    "world": dist.get_world_size(), "epochs": epochs, "full": full, "interrupted": interrupted, "rest": rest,
-}))  # fmt: skip
+Path(out_dir, f"rank{rank}.json").write_text(
+    json.dumps(
+        {
+            "world": dist.get_world_size(),
+            "epochs": epochs,
+            "full": full,
+            "interrupted": interrupted,
+            "rest": rest,
+        }
+    )
+)
 dist.destroy_process_group()

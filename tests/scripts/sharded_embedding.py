@@ -45,9 +45,16 @@ def main() -> None:
             DynamicEmbedding(2)(torch.tensor([1])).sum().backward()  # a plain table: each worker its own copy
             replicated = [str(w.message) for w in caught]
             ShardedEmbeddingCollection({"c": 2})({"c": torch.tensor([[1]])})  # shards: no warning
-        checks.check(f"a plain table warns once: {replicated}", len(replicated) == 1 and "each worker trains its own copy" in replicated[0])
+        checks.check(
+            f"a plain table warns once: {replicated}",
+            len(replicated) == 1 and "each worker trains its own copy" in replicated[0],
+        )
         checks.check(f"shards do not warn: {[str(w.message) for w in caught]}", len(caught) == 1)
-        for label, sharding, tables in (("row", "row", TABLES), ("table", "table", TABLES), ("row same dims", "row", SAME_DIMS)):
+        for label, sharding, tables in (
+            ("row", "row", TABLES),
+            ("table", "table", TABLES),
+            ("row same dims", "row", SAME_DIMS),
+        ):
             collection = ShardedEmbeddingCollection(tables, sharding=sharding)
             sparse = SparseAdagrad(collection, lr=0.5)
             torch.manual_seed(0)
@@ -93,20 +100,33 @@ def main() -> None:
             for name, ref in reference.items():
                 keys = ref.keys()
                 got = collection[name](keys)
-                checks.check(f"{label} {name}: rows equal the single table's", torch.allclose(got, ref(keys), rtol=1e-5, atol=1e-6))
+                checks.check(
+                    f"{label} {name}: rows equal the single table's",
+                    torch.allclose(got, ref(keys), rtol=1e-5, atol=1e-6),
+                )
                 held = torch.tensor([len(collection.shards[name]) if name in collection.shards else 0])
                 dist.all_reduce(held)
-                checks.check(f"{label} {name}: {int(held)} rows held in all, {len(ref)} expected", int(held) == len(ref))
+                checks.check(
+                    f"{label} {name}: {int(held)} rows held in all, {len(ref)} expected", int(held) == len(ref)
+                )
                 if name in collection.shards:
                     shard = collection.shards[name]
                     owned = collection.owners(name, shard.keys()) == rank
                     checks.check(f"{label} {name}: a rank holds only its own keys", bool(owned.all()))
                     ref_state = ref.row_state["sum"][ref._find_rows(shard.keys())]
                     got_state = shard.row_state["sum"][shard._find_rows(shard.keys())]
-                    checks.check(f"{label} {name}: Adagrad state equal", torch.allclose(got_state, ref_state, rtol=1e-5, atol=1e-6))
+                    checks.check(
+                        f"{label} {name}: Adagrad state equal",
+                        torch.allclose(got_state, ref_state, rtol=1e-5, atol=1e-6),
+                    )
                     pending = shard.export()["pending_keys"] if name == "a" else torch.empty(0)
-                    checks.check(f"{label} {name}: pending keys own", bool((collection.owners(name, pending) == rank).all()))
-            checks.check(f"{label}: dense replicas agree with the reference", torch.allclose(dense.module.weight, ref_dense.weight, atol=1e-6))
+                    checks.check(
+                        f"{label} {name}: pending keys own", bool((collection.owners(name, pending) == rank).all())
+                    )
+            checks.check(
+                f"{label}: dense replicas agree with the reference",
+                torch.allclose(dense.module.weight, ref_dense.weight, atol=1e-6),
+            )
             if label == "row":
                 checkpoint.save(collection, ckpt)
                 torch.save({n: s.export() for n, s in collection.shards.items()}, f"{ckpt}/truth-{rank}.pt")
@@ -116,7 +136,9 @@ def main() -> None:
         checkpoint.load(collection, ckpt)
         torch.save({n: s.export() for n, s in collection.shards.items()}, f"{ckpt}/loaded-{world}-{rank}.pt")
         for name, shard in collection.shards.items():
-            checks.check(f"{name}: loaded keys are owned here", bool((collection.owners(name, shard.keys()) == rank).all()))
+            checks.check(
+                f"{name}: loaded keys are owned here", bool((collection.owners(name, shard.keys()) == rank).all())
+            )
         mine = batch(rank, STEPS)  # one more step runs on the resharded tables
         pooled = collection({"a": mine["a"][0]}, offsets={"a": mine["a"][1]})
         pooled["a"].sum().backward()

@@ -20,7 +20,7 @@ torch.manual_seed(0)
 # DDP's first bucket closes past 1 MiB (at the middle layer): the timeline shows two buckets.
 model = DDP(nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(steps):
+for _step in range(steps):
     time.sleep(BASE_S * (1.5 if rank == slow_rank else 1.0))
     loss = model(torch.randn(8, 64)).pow(2).mean()
     optimizer.zero_grad()

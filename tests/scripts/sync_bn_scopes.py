@@ -42,7 +42,11 @@ def main() -> None:
         out = model(x)
         (out * upstream(rank)).sum().backward()
 
-        members = list(range(world)) if scope == "global" else list(range(rank - rank % per_node, rank - rank % per_node + per_node))
+        members = (
+            list(range(world))
+            if scope == "global"
+            else list(range(rank - rank % per_node, rank - rank % per_node + per_node))
+        )
         xs = [batch(r).requires_grad_(True) for r in members]
         ref_out = reference(torch.cat(xs))
         (ref_out * torch.cat([upstream(r) for r in members])).sum().backward()
@@ -54,9 +58,15 @@ def main() -> None:
             ok = torch.allclose(getattr(model[1], name), getattr(reference[1], name), atol=1e-5)
             checks.check(f"{scope}: {name}", ok)
         model.eval()
-        checks.check(f"{scope}: eval uses the running statistics", torch.allclose(model(x), reference.eval()(x), atol=1e-5))
-    checks.raises("bad scope", lambda: convert_sync_batchnorm(nn.BatchNorm1d(2), scope="rack"), ValueError,
-                  "invalid scope 'rack'; accepted: global, node")  # fmt: skip
+        checks.check(
+            f"{scope}: eval uses the running statistics", torch.allclose(model(x), reference.eval()(x), atol=1e-5)
+        )
+    checks.raises(
+        "bad scope",
+        lambda: convert_sync_batchnorm(nn.BatchNorm1d(2), scope="rack"),
+        ValueError,
+        "invalid scope 'rack'; accepted: global, node",
+    )
     checks.write(out_dir, rank)
     # As in bench.worker: let Gloo's threads finish with the last collectives (they need the GIL)
     # before the groups, node groups included, are torn down.

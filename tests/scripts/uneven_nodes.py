@@ -21,7 +21,12 @@ x = torch.full((1, 100), float(rank + 1))
 model(x).sum().backward()
 exact = sum(r + 1 for r in range(world)) / world
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
-    json.dump({"hierarchical": comm_state(model).hierarchical,
-               "max_abs_err": (model.module.weight.grad - exact).abs().max().item(),
-               "nodes": [list(n) for n in trainaccel.comm.discover().nodes]}, f)  # fmt: skip
+    json.dump(
+        {
+            "hierarchical": comm_state(model).hierarchical,
+            "max_abs_err": (model.module.weight.grad - exact).abs().max().item(),
+            "nodes": [list(n) for n in trainaccel.comm.discover().nodes],
+        },
+        f,
+    )
 dist.destroy_process_group()

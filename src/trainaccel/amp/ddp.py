@@ -112,8 +112,10 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
     policy = None if config.amp_policy == "always" else zero_code_policy(config.amp_policy)
     state = AmpState(dtype, device_type, policy)
     if device_type == "cpu" and not native_cpu_support(dtype):
-        warn_once(f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
-                   "autocast on it is likely slower than float32 (see docs/BENCHMARKS.md)")  # fmt: skip
+        warn_once(
+            f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
+            "autocast on it is likely slower than float32 (see docs/BENCHMARKS.md)"
+        )
     if policy is not None:
         _observe_training_loop()
     forward = ddp_model.forward
@@ -183,7 +185,9 @@ def scaled(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
     if _observed.scaler is None:
         _observed.scaler = scaler or torch.amp.GradScaler(device_type)
     elif scaler is not None and scaler is not _observed.scaler:
-        raise ValueError("every optimizer shares one GradScaler (the loss is scaled once): pass the same scaler or none")
+        raise ValueError(
+            "every optimizer shares one GradScaler (the loss is scaled once): pass the same scaler or none"
+        )
     _observe_training_loop()
     _observed.skipped[optimizer] = 0
     _observed.scaled_at[optimizer] = _observed.steps.get(optimizer, 0)
@@ -269,10 +273,14 @@ def _patch_clipping() -> None:
     # that the script imported by name before the patch.
     targets = {  # the function -> whether it takes gradients (else parameters)
         getattr(clip_grad, name): takes_grads
-        for name, takes_grads in [("clip_grad_norm_", False), ("clip_grad_value_", False),
-                                  ("_clip_grads_with_norm_", False), ("_get_total_norm", True)]
+        for name, takes_grads in [
+            ("clip_grad_norm_", False),
+            ("clip_grad_value_", False),
+            ("_clip_grads_with_norm_", False),
+            ("_get_total_norm", True),
+        ]
         if hasattr(clip_grad, name)
-    }  # fmt: skip
+    }
     wrappers = {id(clip): _unscaling(clip, takes_grads) for clip, takes_grads in targets.items()}
     for module in (torch.nn.utils, clip_grad):
         for name, value in list(vars(module).items()):
@@ -359,8 +367,10 @@ def _in_step_with_optimizer(original_step: Any) -> Any:
         # construction runs, and so does a per-epoch step after any real step in the epoch.
         steps, skipped = _observed.advanced.get(self, (_observed.scaled_at.get(optimizer, 0), 0))
         if now[0] == steps and now[1] > skipped:
-            info_once("amp=fp16: a learning-rate scheduler step was skipped along with its optimizer's "
-                      "(inf/NaN gradients): schedulers advance with real optimizer steps only")  # fmt: skip
+            info_once(
+                "amp=fp16: a learning-rate scheduler step was skipped along with its optimizer's "
+                "(inf/NaN gradients): schedulers advance with real optimizer steps only"
+            )
             return None
         _observed.advanced[self] = now
         return original_step(self, *args, **kwargs)

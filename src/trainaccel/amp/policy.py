@@ -55,33 +55,64 @@ class PrecisionPolicy:
     [True, True, False, False, True, True]
     """
 
-    def __init__(self, mode: str = "auto", *, start: int = 0, end: int | None = None, hold: int = 1,
-                 interval: int | None = None, interval_hold: int | None = None, spike: float = 0.5,
-                 window: int = 100, overflows: int = 3, per: str | None = None, dtype: str | None = None,
-                 lr_tolerance: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        mode: str = "auto",
+        *,
+        start: int = 0,
+        end: int | None = None,
+        hold: int = 1,
+        interval: int | None = None,
+        interval_hold: int | None = None,
+        spike: float = 0.5,
+        window: int = 100,
+        overflows: int = 3,
+        per: str | None = None,
+        dtype: str | None = None,
+        lr_tolerance: float | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"invalid mode={mode!r}; accepted: {', '.join(MODES)}")
         per = per or ("step" if mode == "auto" else "epoch")
         if per not in UNITS:
             raise ValueError(f"invalid per={per!r}; accepted: {', '.join(UNITS)}")
-        for name, value, least in (("start", start, 0), ("hold", hold, 0), ("window", window, 1), ("overflows", overflows, 1)):
+        for name, value, least in (
+            ("start", start, 0),
+            ("hold", hold, 0),
+            ("window", window, 1),
+            ("overflows", overflows, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"invalid {name}={value!r}; accepted: an integer >= {least}")
         if end is not None and (isinstance(end, bool) or not isinstance(end, int) or end < start):
-            raise ValueError(f"invalid end={end!r}; accepted: None (to the end of training) or an integer >= start ({start})")
+            raise ValueError(
+                f"invalid end={end!r}; accepted: None (to the end of training) or an integer >= start ({start})"
+            )
         if interval is not None:
             if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
                 raise ValueError(f"invalid interval={interval!r}; accepted: None (check always) or an integer >= 1")
             interval_hold = interval if interval_hold is None else interval_hold
-            if isinstance(interval_hold, bool) or not isinstance(interval_hold, int) or not 1 <= interval_hold <= interval:
-                raise ValueError(f"invalid interval_hold={interval_hold!r}; accepted: an integer from 1 to interval ({interval})")
+            if (
+                isinstance(interval_hold, bool)
+                or not isinstance(interval_hold, int)
+                or not 1 <= interval_hold <= interval
+            ):
+                raise ValueError(
+                    f"invalid interval_hold={interval_hold!r}; accepted: an integer from 1 to interval ({interval})"
+                )
         if not isinstance(spike, (int, float)) or isinstance(spike, bool) or not spike > 0:
-            raise ValueError(f"invalid spike={spike!r}; accepted: a number > 0 (0.5: a loss 50% above its recent minimum)")
+            raise ValueError(
+                f"invalid spike={spike!r}; accepted: a number > 0 (0.5: a loss 50% above its recent minimum)"
+            )
         lr_tolerance = (0.1 if mode == "auto" else 0.0) if lr_tolerance is None else lr_tolerance
         if isinstance(lr_tolerance, bool) or not isinstance(lr_tolerance, (int, float)) or not lr_tolerance >= 0:
-            raise ValueError(f"invalid lr_tolerance={lr_tolerance!r}; accepted: a number >= 0 (0.1: a move of more than 10%)")
+            raise ValueError(
+                f"invalid lr_tolerance={lr_tolerance!r}; accepted: a number >= 0 (0.1: a move of more than 10%)"
+            )
         if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"invalid dtype={dtype!r}; accepted: None (bfloat16 on CPU, float16 on CUDA), {', '.join(DTYPES)}")
+            raise ValueError(
+                f"invalid dtype={dtype!r}; accepted: None (bfloat16 on CPU, float16 on CUDA), {', '.join(DTYPES)}"
+            )
         self.mode, self.per, self.dtype = mode, per, dtype
         self.start, self.end, self.hold = start, end, hold
         self.interval, self.interval_hold = interval, interval_hold
@@ -99,8 +130,14 @@ class PrecisionPolicy:
         """Why the latest decision was taken, in a few words (for logs)."""
         return self._memory.reason
 
-    def enabled(self, epoch: int | None = None, step: int | None = None, lr: float | None = None,
-                loss: float | torch.Tensor | None = None, scaler: Any = None) -> bool:  # fmt: skip
+    def enabled(
+        self,
+        epoch: int | None = None,
+        step: int | None = None,
+        lr: float | None = None,
+        loss: float | torch.Tensor | None = None,
+        scaler: Any = None,
+    ) -> bool:
         """Whether to autocast now; `epoch` or `step` (per the policy's unit) is required.
 
         `lr` is the current learning rate (mode `lr`); `loss` the latest loss and `scaler` the
@@ -112,7 +149,9 @@ class PrecisionPolicy:
         if self.mode == "lr" and lr is None:
             raise ValueError("mode 'lr' needs lr= (the current learning rate) at every call")
         if self.mode == "loss" and loss is None and scaler is None:
-            raise ValueError("mode 'loss' needs loss= (the latest loss value) or scaler= (the GradScaler) at every call")
+            raise ValueError(
+                "mode 'loss' needs loss= (the latest loss value) or scaler= (the GradScaler) at every call"
+            )
         memory = self._memory
         decision, reason = True, "autocast"
         if self.mode in ("time", "lr", "auto"):
@@ -125,13 +164,19 @@ class PrecisionPolicy:
                 memory.lr_hold_until = t + self.hold
             memory.last_lr = float(lr)
             if decision and memory.lr_hold_until is not None and t < memory.lr_hold_until:
-                decision, reason = False, f"learning rate changed: full precision until {self.per} {memory.lr_hold_until}"
+                decision, reason = (
+                    False,
+                    f"learning rate changed: full precision until {self.per} {memory.lr_hold_until}",
+                )
         if self.mode in ("loss", "auto"):
             trouble = self._observe(t, loss, scaler)
             if trouble:
                 memory.loss_hold_until = t + self.hold
             if decision and memory.loss_hold_until is not None and t < memory.loss_hold_until:
-                decision, reason = False, f"{trouble or 'loss trouble'}: full precision until {self.per} {memory.loss_hold_until}"
+                decision, reason = (
+                    False,
+                    f"{trouble or 'loss trouble'}: full precision until {self.per} {memory.loss_hold_until}",
+                )
         memory.decision, memory.reason = decision, reason
         return decision
 
@@ -177,10 +222,20 @@ class PrecisionPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         """The settings and everything seen so far, as plain values (JSON-safe)."""
-        settings = {"mode": self.mode, "per": self.per, "start": self.start, "end": self.end, "hold": self.hold,
-                    "interval": self.interval, "interval_hold": self.interval_hold, "spike": self.spike,
-                    "window": self.window, "overflows": self.overflows, "dtype": self.dtype,
-                    "lr_tolerance": self.lr_tolerance}  # fmt: skip
+        settings = {
+            "mode": self.mode,
+            "per": self.per,
+            "start": self.start,
+            "end": self.end,
+            "hold": self.hold,
+            "interval": self.interval,
+            "interval_hold": self.interval_hold,
+            "spike": self.spike,
+            "window": self.window,
+            "overflows": self.overflows,
+            "dtype": self.dtype,
+            "lr_tolerance": self.lr_tolerance,
+        }
         return {"settings": settings, "memory": asdict(self._memory)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -188,13 +243,24 @@ class PrecisionPolicy:
         mine = self.state_dict()["settings"]
         if state["settings"] != mine:
             differ = sorted(k for k in mine if state["settings"].get(k) != mine[k])
-            raise ValueError(f"this state is for a policy with other settings ({', '.join(differ)}): "
-                             f"{ {k: state['settings'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")  # fmt: skip
+            raise ValueError(
+                f"this state is for a policy with other settings ({', '.join(differ)}): "
+                f"{ {k: state['settings'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }"
+            )
         self._memory = _Memory(**state["memory"])
 
 
-_SETTINGS = {"start": int, "end": int, "hold": int, "interval": int, "interval_hold": int, "spike": float,
-             "window": int, "overflows": int, "lr_tolerance": float}  # fmt: skip
+_SETTINGS = {
+    "start": int,
+    "end": int,
+    "hold": int,
+    "interval": int,
+    "interval_hold": int,
+    "spike": float,
+    "window": int,
+    "overflows": int,
+    "lr_tolerance": float,
+}
 
 
 def parse_policy(spec: str, **fixed: Any) -> PrecisionPolicy:
@@ -209,7 +275,9 @@ def parse_policy(spec: str, **fixed: Any) -> PrecisionPolicy:
         try:
             settings[name] = None if value.lower() == "none" else _SETTINGS[name](value)
         except ValueError:
-            raise ValueError(f"invalid {name}={value!r}; accepted: {'an integer' if _SETTINGS[name] is int else 'a number'}") from None
+            raise ValueError(
+                f"invalid {name}={value!r}; accepted: {'an integer' if _SETTINGS[name] is int else 'a number'}"
+            ) from None
     return PrecisionPolicy(mode.strip().lower(), **settings, **fixed)
 
 
@@ -217,7 +285,9 @@ def zero_code_policy(spec: str) -> PrecisionPolicy:
     """The per-step policy of `amp_policy=spec`: mode auto or time, decided from what trainaccel observes."""
     mode = spec.strip().partition(":")[0].strip().lower()
     if mode not in ("auto", "time"):
-        raise ValueError(f"mode {mode!r} needs its value at every call, before the first step too: use it through the API")
+        raise ValueError(
+            f"mode {mode!r} needs its value at every call, before the first step too: use it through the API"
+        )
     return parse_policy(spec, per="step")
 
 
@@ -230,23 +300,41 @@ class MixedPrecision_TrainingPolicy:  # noqa: N801 - the name users of the integ
 
     POLICIES = {0: "time", 1: "lr", 2: "loss"}
 
-    def __init__(self, policy: int, start_time: int = 10, end_time: int | None = None, hold_time: int | None = None,
-                 interval_time: int = 1000, interval_hold_time: int = 100):  # fmt: skip
+    def __init__(
+        self,
+        policy: int,
+        start_time: int = 10,
+        end_time: int | None = None,
+        hold_time: int | None = None,
+        interval_time: int = 1000,
+        interval_hold_time: int = 100,
+    ):
         if isinstance(policy, bool) or policy not in self.POLICIES:
             raise ValueError(f"invalid policy={policy!r}; accepted: 0 (time), 1 (time + learning rate), 2 (loss)")
         if policy == 1 and hold_time is None:
-            raise ValueError("policy 1 (time + learning rate) requires hold_time: the epochs of full precision after a learning-rate change")
+            raise ValueError(
+                "policy 1 (time + learning rate) requires hold_time: "
+                "the epochs of full precision after a learning-rate change"
+            )
         self.policy = policy
-        self._policy = PrecisionPolicy(self.POLICIES[policy], start=start_time, end=end_time,
-                                       hold=1 if hold_time is None else hold_time, per="epoch",
-                                       interval=interval_time if policy == 2 else None,
-                                       interval_hold=interval_hold_time if policy == 2 else None)  # fmt: skip
+        self._policy = PrecisionPolicy(
+            self.POLICIES[policy],
+            start=start_time,
+            end=end_time,
+            hold=1 if hold_time is None else hold_time,
+            per="epoch",
+            interval=interval_time if policy == 2 else None,
+            interval_hold=interval_hold_time if policy == 2 else None,
+        )
 
-    def enable_mixed_precision(self, epoch: int, scaler: Any = None, lr: float | None = None,
-                               loss: float | torch.Tensor | None = None) -> bool:  # fmt: skip
+    def enable_mixed_precision(
+        self, epoch: int, scaler: Any = None, lr: float | None = None, loss: float | torch.Tensor | None = None
+    ) -> bool:
         """Whether to autocast in this epoch."""
         if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-            raise TypeError(f"scaler={scaler!r} is a number: pass the GradScaler as scaler=, and lr= and loss= by keyword")
+            raise TypeError(
+                f"scaler={scaler!r} is a number: pass the GradScaler as scaler=, and lr= and loss= by keyword"
+            )
         if self.policy == 1 and lr is None:
             raise ValueError("policy 1 (time + learning rate) requires lr= (this epoch's learning rate)")
         if self.policy == 2 and loss is None:

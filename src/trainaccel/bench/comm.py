@@ -26,7 +26,9 @@ def parse_sizes(text: str) -> list[int]:
         m = _SIZE.match(item.strip())
         size = int(m.group(1)) * _UNITS[m.group(2)] if m else 0
         if size <= 0 or size % 4:
-            raise ValueError(f"invalid size {item.strip()!r} in --sizes; accepted: N, NKiB, NMiB or NGiB, a multiple of 4 bytes")
+            raise ValueError(
+                f"invalid size {item.strip()!r} in --sizes; accepted: N, NKiB, NMiB or NGiB, a multiple of 4 bytes"
+            )
         sizes.append(size)
     return sizes
 
@@ -41,10 +43,14 @@ def _human(size: int) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB,64MiB", help="message sizes (default 4KiB..64MiB)")
     parser.add_argument("--compression", default="none,fp16", help="comma-separated codecs (default none,fp16)")
-    parser.add_argument("--iters", type=int, default=5, help="timed allreduces per size; the median is kept (default 5)")
+    parser.add_argument(
+        "--iters", type=int, default=5, help="timed allreduces per size; the median is kept (default 5)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed allreduces per size (default 1)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers without --emulate (default 2)")
-    parser.add_argument("--emulate", metavar="SPEC", help="emulated cluster, e.g. nodes=2,procs-per-node=1,link=500mbit")
+    parser.add_argument(
+        "--emulate", metavar="SPEC", help="emulated cluster, e.g. nodes=2,procs-per-node=1,link=500mbit"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write bus bandwidth vs size (needs trainaccel[plot])")
 
@@ -67,9 +73,14 @@ def main(args: argparse.Namespace) -> int:
         with bench_session(emulation) as (tmp, cluster):
             out = tmp / "comm.json"
             worker = [
-                "-m", WORKER_MODULE, f"--sizes={','.join(map(str, sizes))}", f"--compression={','.join(codecs)}",
-                f"--iters={args.iters}", f"--warmup={args.warmup}", f"--out={out}",
-            ]  # fmt: skip
+                "-m",
+                WORKER_MODULE,
+                f"--sizes={','.join(map(str, sizes))}",
+                f"--compression={','.join(codecs)}",
+                f"--iters={args.iters}",
+                f"--warmup={args.warmup}",
+                f"--out={out}",
+            ]
             result = run_workers(
                 "bench comm", TORCHRUN, worker, out, plain_env(), nproc_per_node=args.nproc_per_node, cluster=cluster
             )

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import torch
 
-from trainaccel.bench.image_data import (TENSOR_DTYPES, DecodeDataset, ReadyDataset, TrainTransform, decoder_timings, make_synthetic,
-                                         tfrecord_package_dataset)  # fmt: skip
+from trainaccel.bench.image_data import (
+    TENSOR_DTYPES,
+    DecodeDataset,
+    ReadyDataset,
+    TrainTransform,
+    decoder_timings,
+    make_synthetic,
+    tfrecord_package_dataset,
+)
 from trainaccel.bench.jobs import report_header
 
 ARMS = ("files", "records", "records-pil", "records-256", "tfrecord", "memory", "loader-only")
@@ -23,15 +30,23 @@ CACHES = ("cold", "warm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "trainaccel-bench-data",
-                        help="folder for the synthetic images and their packs; made once, reused (default: in the temp dir)")  # fmt: skip
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "trainaccel-bench-data",
+        help="folder for the synthetic images and their packs; made once, reused (default: in the temp dir)",
+    )
     parser.add_argument("--images", type=int, default=3000, help="synthetic images (default 3000)")
     parser.add_argument("--classes", type=int, default=10, help="class folders (default 10)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per batch (default 64)")
-    parser.add_argument("--dtype", choices=TENSOR_DTYPES, default="float32",
-                        help="what the transform's to-tensor gives: float32 in [0, 1] (as ToTensor), or uint8 to "
-                             "convert on the accelerator (default float32)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=TENSOR_DTYPES,
+        default="float32",
+        help="what the transform's to-tensor gives: float32 in [0, 1] (as ToTensor), or uint8 to "
+        "convert on the accelerator (default float32)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     parser.add_argument("--cache", default=",".join(CACHES), help="cold (files evicted before each run), warm, or both")
@@ -60,7 +75,15 @@ def prepare(work: Path, images: int, classes: int) -> dict[str, Path]:
         marker.write_text(json.dumps(wanted))
     items, labels = folder_items(folder)
     for name, max_side in (("packed", None), ("packed-256", 256)):
-        pack(items, folder, work / name, labels, PackOptions(shard_size="64MB", max_side=max_side), {"bench": name}, workers=2)
+        pack(
+            items,
+            folder,
+            work / name,
+            labels,
+            PackOptions(shard_size="64MB", max_side=max_side),
+            {"bench": name},
+            workers=2,
+        )
     return {"images": folder, "records": work / "packed", "records-256": work / "packed-256"}
 
 
@@ -75,7 +98,9 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> tuple[torch.utils.data.Dataset, list[Path]]:
+def build_arm(
+    arm: str, places: dict[str, Path], transform: TrainTransform
+) -> tuple[torch.utils.data.Dataset, list[Path]]:
     """The dataset of an arm and the files it reads."""
     from trainaccel.data import RecordDataset
 
@@ -87,8 +112,12 @@ def build_arm(arm: str, places: dict[str, Path], transform: TrainTransform) -> t
     if arm.startswith("records"):
         output = "pil" if arm == "records-pil" else "tensor"
         size = (transform.size, transform.size) if arm == "records-256" else None
-        dataset = RecordDataset(places["records-256" if arm == "records-256" else "records"], transform=transform,
-                                output=output, decode_size=size)  # fmt: skip
+        dataset = RecordDataset(
+            places["records-256" if arm == "records-256" else "records"],
+            transform=transform,
+            output=output,
+            decode_size=size,
+        )
         return dataset, [s.shard for s in dataset.shards]
     shards = [s.shard for s in RecordDataset(places["records"]).shards]
     if arm == "tfrecord":
@@ -121,7 +150,10 @@ def main(args: argparse.Namespace) -> int:
         arms, caches = _subset(args.arms, ARMS, "--arms"), _subset(args.cache, CACHES, "--cache")
         for name in ("images", "classes", "workers", "batch_size", "repeats"):
             if getattr(args, name) < (0 if name == "workers" else 1):
-                raise ValueError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}; accepted: an integer >= {0 if name == 'workers' else 1}")
+                raise ValueError(
+                    f"invalid --{name.replace('_', '-')} {getattr(args, name)}; "
+                    f"accepted: an integer >= {0 if name == 'workers' else 1}"
+                )
         places = prepare(args.work, args.images, args.classes)
     except ImportError as error:  # the data extra is not installed
         print(f"trainaccel bench data: {error}; install it with pip install 'trainaccel[data]'", file=sys.stderr)
@@ -150,19 +182,33 @@ def main(args: argparse.Namespace) -> int:
     summary = {arm: {c: statistics.median(v) for c, v in per.items()} for arm, per in rates.items()}
     ratios = None
     if "files" in arms:  # the median of the per-repeat ratios: each repeat's arms ran side by side
-        ratios = {arm: {c: statistics.median(a / b for a, b in zip(rates[arm][c], rates["files"][c])) for c in caches}
-                  for arm in arms}  # fmt: skip
+        ratios = {
+            arm: {c: statistics.median(a / b for a, b in zip(rates[arm][c], rates["files"][c])) for c in caches}
+            for arm in arms
+        }
     spread = {arm: {c: [min(v), max(v)] for c, v in per.items()} for arm, per in rates.items()}
-    report = {**report_header("data", args), "decode_ms_per_image": decoders, "rates": rates, "median": summary,
-              "min_max": spread, "ratio_to_files": ratios, "seconds_to_first_batch": startup}  # fmt: skip
+    report = {
+        **report_header("data", args),
+        "decode_ms_per_image": decoders,
+        "rates": rates,
+        "median": summary,
+        "min_max": spread,
+        "ratio_to_files": ratios,
+        "seconds_to_first_batch": startup,
+    }
     _print_tables(decoders, summary, ratios, caches, args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0
 
 
-def _print_tables(decoders: dict[str, dict[str, float]], summary: dict[str, dict[str, float]],
-                  ratios: dict[str, dict[str, float]] | None, caches: list[str], args: argparse.Namespace) -> None:  # fmt: skip
+def _print_tables(
+    decoders: dict[str, dict[str, float]],
+    summary: dict[str, dict[str, float]],
+    ratios: dict[str, dict[str, float]] | None,
+    caches: list[str],
+    args: argparse.Namespace,
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -175,8 +221,9 @@ def _print_tables(decoders: dict[str, dict[str, float]], summary: dict[str, dict
     for name, per in decoders.items():
         table.add_row(name, *(f"{per[s]:.2f}" for s in sizes))
     console.print(table)
-    table = Table(title=f"images/s, {args.images} images, {args.workers} workers, {args.dtype} tensors, "
-                        f"median of {args.repeats}")  # fmt: skip
+    table = Table(
+        title=f"images/s, {args.images} images, {args.workers} workers, {args.dtype} tensors, median of {args.repeats}"
+    )
     table.add_column("arm")
     for cache in caches:
         table.add_column(f"{cache} images/s", justify="right")

@@ -33,15 +33,21 @@ EPS = 1e-8  # fbgemm's Adagrad default; every arm uses it so that the updates ar
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4096, help="examples per step, 26 ids each (default 4096)")
     parser.add_argument("--dim", type=int, default=16, help="embedding dim (default 16)")
-    parser.add_argument("--max-rows", type=int, default=100_000, help="rows per feature table, Criteo's sizes capped (default 100000)")
+    parser.add_argument(
+        "--max-rows", type=int, default=100_000, help="rows per feature table, Criteo's sizes capped (default 100000)"
+    )
     parser.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of the ids (default 1.2)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per repeat (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed first steps per arm (default 5)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each arm, interleaved (default 5)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
-    parser.add_argument("--insert-keys", type=int, default=1_000_000,
-                        help="distinct random keys for the collision and memory check (0 skips it; default 1000000)")  # fmt: skip
+    parser.add_argument(
+        "--insert-keys",
+        type=int,
+        default=1_000_000,
+        help="distinct random keys for the collision and memory check (0 skips it; default 1000000)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 
@@ -110,17 +116,24 @@ def _torchrec_arm(cards: list[int], dim: int, lr: float) -> Step:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=c, feature_names=[f"f{i}"], pooling=PoolingType.SUM)
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=c, feature_names=[f"f{i}"], pooling=PoolingType.SUM
+        )
         for i, c in enumerate(cards)
     ]
     # The update runs inside backward (fused); TorchRec's CPU path has Adagrad but no Adam.
     collection = FusedEmbeddingBagCollection(
-        tables=tables, optimizer_type=torch.optim.Adagrad, optimizer_kwargs={"lr": lr, "eps": EPS}, device=torch.device("cpu")
+        tables=tables,
+        optimizer_type=torch.optim.Adagrad,
+        optimizer_kwargs={"lr": lr, "eps": EPS},
+        device=torch.device("cpu"),
     )
     names = [f"f{i}" for i in range(len(cards))]
 
     def step(ids: torch.Tensor) -> None:
-        kjt = KeyedJaggedTensor(keys=names, values=ids.T.reshape(-1), lengths=torch.ones(ids.numel(), dtype=torch.int32))
+        kjt = KeyedJaggedTensor(
+            keys=names, values=ids.T.reshape(-1), lengths=torch.ones(ids.numel(), dtype=torch.int32)
+        )
         collection(kjt).values().sum().backward()
 
     return step
@@ -188,7 +201,8 @@ def insert_check(keys_total: int, dim: int, batch: int = 100_000) -> dict:
     own_rows = bool((rows >= 0).all()) and torch.unique(rows).numel() == keys_total
     init = initializers.normal()
     own_values = all(
-        torch.equal(table.weight.index_select(0, r), init(k, dim)) for k, r in zip(keys.split(1_000_000), rows.split(1_000_000))
+        torch.equal(table.weight.index_select(0, r), init(k, dim))
+        for k, r in zip(keys.split(1_000_000), rows.split(1_000_000))
     )
     payload = keys_total * dim * 4 * 2  # rows + Adagrad's sum, float32
     return {
@@ -236,7 +250,8 @@ def main(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     results = time_arms(arms, args) if arms else {}
     title = (
-        f"bench embedding: batch {args.batch_size} x {NUM_SPARSE} ids, dim {args.dim}, <= {args.max_rows} rows per feature, "
+        f"bench embedding: batch {args.batch_size} x {NUM_SPARSE} ids, dim {args.dim}, "
+        f"<= {args.max_rows} rows per feature, "
         f"Zipf {args.alpha}, Adagrad, {torch.get_num_threads()} threads, median of {args.repeats}"
     )
     table = Table(title=title)
@@ -244,22 +259,31 @@ def main(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if column == "arm" else "right")
     for arm, r in results.items():
         table.add_row(
-            arm, f"{r['median'] / 1e6:.2f} M", f"{r['min'] / 1e6:.2f} - {r['max'] / 1e6:.2f} M",
+            arm,
+            f"{r['median'] / 1e6:.2f} M",
+            f"{r['min'] / 1e6:.2f} - {r['max'] / 1e6:.2f} M",
             *(f"{r[k]:.2f}x" if k in r else "-" for k in ("ratio_vs_torchrec", "ratio_vs_baseline")),
-        )  # fmt: skip
+        )
     console.print(table)
     for arm, why in skipped.items():
         console.print(f"{arm}: not run ({why}); see docs/embedding.md for installing it")
     if check:
         console.print(
-            f"{check['keys']:,} distinct keys inserted, dim {check['dim']}: own rows {check['every_key_has_its_own_row']}, "
-            f"own values {check['every_row_holds_its_keys_initial_value']}, {check['inserts_per_s'] / 1e6:.2f} M inserts/s, "
+            f"{check['keys']:,} distinct keys inserted, dim {check['dim']}: "
+            f"own rows {check['every_key_has_its_own_row']}, "
+            f"own values {check['every_row_holds_its_keys_initial_value']}, "
+            f"{check['inserts_per_s'] / 1e6:.2f} M inserts/s, "
             f"table {check['table_bytes'] / 2**20:.0f} MiB = {check['table_vs_payload']:.2f}x rows + Adagrad state "
             f"(RSS grew {check['rss_growth_vs_payload']:.2f}x)"
         )
     if args.json:
-        report = {**report_header("embedding", args), "threads": torch.get_num_threads(), "arms": results,
-                  "skipped": skipped, "insert_check": check}  # fmt: skip
+        report = {
+            **report_header("embedding", args),
+            "threads": torch.get_num_threads(),
+            "arms": results,
+            "skipped": skipped,
+            "insert_check": check,
+        }
         Path(args.json).write_text(json.dumps(report, indent=2))
     if check and not (check["every_key_has_its_own_row"] and check["every_row_holds_its_keys_initial_value"]):
         print("trainaccel bench embedding: error: keys collided", file=sys.stderr)

@@ -121,7 +121,9 @@ class EmulatedCluster:
             _ip("link", "set", port, "up", netns=self.bridge)
             # Both directions of the node's link: what it sends, and what the bridge sends it.
             for netns, dev in ((ns, IFACE), (self.bridge, port)):
-                _tc(netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+                _tc(
+                    netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"
+                )
 
     def teardown(self) -> None:
         """Delete every namespace of this cluster (their veths go with them); safe to repeat."""

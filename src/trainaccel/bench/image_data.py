@@ -24,7 +24,9 @@ def make_synthetic(folder: Path, images: int, classes: int, seed: int = 0) -> li
         width = int(rng.integers(400, 601))
         height = int(width * rng.uniform(0.65, 0.85))
         # Smooth colour fields plus grain: compresses about as much as photographs do at q90.
-        coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize((width, height), Image.Resampling.BICUBIC)
+        coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize(
+            (width, height), Image.Resampling.BICUBIC
+        )
         pixels = np.asarray(coarse, dtype=np.int16) + rng.normal(0, 10, (height, width, 3)).astype(np.int16)
         path = folder / f"class{i % classes:03d}" / f"{i:06d}.jpg"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,8 +74,9 @@ class TrainTransform:
             left, top, right, bottom = self.box(image.shape[2], image.shape[1])
             # The resize's fast uint8 kernel wants channels-last memory without gaps (a decoded HWC image is).
             crop = image[None, :, top:bottom, left:right].contiguous(memory_format=torch.channels_last)
-            resized = torch.nn.functional.interpolate(crop, size=(self.size, self.size), mode="bilinear",
-                                                      antialias=True, align_corners=False)[0]  # fmt: skip
+            resized = torch.nn.functional.interpolate(
+                crop, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False
+            )[0]
             if random.random() < 0.5:
                 resized = resized.flip(-1)
             return self._finish(resized)
@@ -156,6 +159,6 @@ def tfrecord_package_dataset(shards: list[Path], transform: TrainTransform) -> t
         return transform(image), int(features["image/class/label"][0])
 
     description = {"image/encoded": "byte", "image/class/label": "int"}
-    return torch.utils.data.ChainDataset([
-        TFRecordDataset(str(s), f"{s}.index", description, transform=decode) for s in shards
-    ])  # fmt: skip
+    return torch.utils.data.ChainDataset(
+        [TFRecordDataset(str(s), f"{s}.index", description, transform=decode) for s in shards]
+    )

@@ -40,10 +40,15 @@ def run_workers(
     emulation = cluster.emulation
     commands = [
         [
-            *cluster.exec_prefix(node), *launcher,
-            f"--nnodes={emulation.nodes}", f"--node-rank={node}", f"--nproc-per-node={emulation.procs_per_node}",
-            f"--master-addr={cluster.address(0)}", f"--master-port={port}", *worker,
-        ]  # fmt: skip
+            *cluster.exec_prefix(node),
+            *launcher,
+            f"--nnodes={emulation.nodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={emulation.procs_per_node}",
+            f"--master-addr={cluster.address(0)}",
+            f"--master-port={port}",
+            *worker,
+        ]
         for node in range(emulation.nodes)
     ]
     node_env = {**(env or {}), "GLOO_SOCKET_IFNAME": IFACE}

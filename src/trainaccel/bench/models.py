@@ -103,11 +103,14 @@ class WideMLP(nn.Sequential):
 
     def __init__(self, in_features: int = 1024, num_classes: int = 1000):
         super().__init__(
-            nn.Linear(in_features, 4096), nn.ReLU(),
-            nn.Linear(4096, 2048), nn.ReLU(),
-            nn.Linear(2048, 2048), nn.ReLU(),
+            nn.Linear(in_features, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, 2048),
+            nn.ReLU(),
+            nn.Linear(2048, 2048),
+            nn.ReLU(),
             nn.Linear(2048, num_classes),
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(frozen=True)

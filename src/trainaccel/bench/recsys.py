@@ -17,9 +17,33 @@ from trainaccel.embedding.hashing import mix64
 # Criteo Kaggle (Display Advertising Challenge) categorical cardinalities C1..C26, as counted by DLRM's
 # preprocessing (facebookresearch/dlrm, data_utils.py day_fea_count for --data-set=kaggle); they sum to 33,762,577.
 CRITEO_CARDINALITIES: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 NUM_DENSE = 13
 NUM_SPARSE = 26
 
@@ -139,7 +163,9 @@ class _RecsysModel(nn.Module):
     def _parts(self, dense: torch.Tensor, sparse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         e = self.embedding(sparse)
         if e.shape[-1] != self.dim + 1:
-            raise ValueError(f"the embedding gave {e.shape[-1]} columns per feature; accepted: dim + 1 = {self.dim + 1}")
+            raise ValueError(
+                f"the embedding gave {e.shape[-1]} columns per feature; accepted: dim + 1 = {self.dim + 1}"
+            )
         v = e[..., : self.dim]
         wide = self.bias + e[..., self.dim].sum(1) + self.dense_linear(dense).squeeze(-1)
         deep = self.mlp(torch.cat([v.flatten(1), dense], 1)).squeeze(-1)
@@ -176,7 +202,9 @@ class PerFeatureEmbeddingBags(nn.Module):
     def __init__(self, cardinalities: Sequence[int], dim_plus_one: int, init_std: float = 0.01):
         super().__init__()
         if dim_plus_one < 2:
-            raise ValueError(f"invalid dim_plus_one {dim_plus_one}; accepted: an integer >= 2 (dim factor columns + 1 first-order)")
+            raise ValueError(
+                f"invalid dim_plus_one {dim_plus_one}; accepted: an integer >= 2 (dim factor columns + 1 first-order)"
+            )
         if any(c < 1 for c in cardinalities):
             raise ValueError(f"invalid cardinalities {list(cardinalities)}; accepted: integers >= 1")
         self.bags = nn.ModuleList(nn.EmbeddingBag(c, dim_plus_one, mode="sum") for c in cardinalities)

@@ -16,8 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.bench.recsys import RECSYS_MODELS, CriteoSynthetic, baseline_embedding, feature_keys
-from trainaccel.bench.worker import (arm_arguments, job_peak_memory, start_process_group,
-                                     timed_steps)  # fmt: skip
+from trainaccel.bench.worker import arm_arguments, job_peak_memory, start_process_group, timed_steps
 from trainaccel.comm import bytes_per_step, bytes_sent
 from trainaccel.compiler import is_compiled
 
@@ -44,7 +43,9 @@ def build(arm: str, model: str, dim: int, data: CriteoSynthetic, device: torch.d
     else:
         from trainaccel.embedding import ShardedEmbeddingCollection, initializers
 
-        collection = ShardedEmbeddingCollection({"features": {"dim": dim + 1, "initializer": initializers.normal(std=0.01)}})
+        collection = ShardedEmbeddingCollection(
+            {"features": {"dim": dim + 1, "initializer": initializers.normal(std=0.01)}}
+        )
         net = RECSYS_MODELS[model](dim, KeyedEmbedding(collection["features"])).to(device)
     ddp = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     dense = torch.optim.Adagrad(ddp.parameters(), lr=LR)

@@ -12,9 +12,9 @@ from pathlib import Path
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
 from trainaccel.bench.jobs import bench_session, report_header, run_workers
 from trainaccel.bench.models import MODELS
+from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.recsys import RECSYS_MODELS
 from trainaccel.bench.recsys_worker import ARMS as RECSYS_ARMS  # no "local": the embedding exchange is the model
-from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
@@ -24,17 +24,26 @@ RECSYS_WORKER_MODULE = "trainaccel.bench.recsys_worker"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="resnet50", choices=[*MODELS, *RECSYS_MODELS], help="benchmark model (default resnet50)")
+    parser.add_argument(
+        "--model", default="resnet50", choices=[*MODELS, *RECSYS_MODELS], help="benchmark model (default resnet50)"
+    )
     parser.add_argument("--image-size", type=int, default=224, help="image side for the ResNets (default 224)")
     parser.add_argument("--embedding-dim", type=int, default=16, help="factor dim of deepfm and wide_deep (default 16)")
-    parser.add_argument("--max-rows", type=int, default=1_000_000,
-                        help="deepfm/wide_deep: Criteo's 26 table sizes capped at this (default 1000000: 5.6M rows)")  # fmt: skip
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=1_000_000,
+        help="deepfm/wide_deep: Criteo's 26 table sizes capped at this (default 1000000: 5.6M rows)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="examples per worker per step (default 32)")
     parser.add_argument("--steps", type=int, default=20, help="steps per run, warm-up included (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed first steps (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
-    parser.add_argument("--arms", help=f"comma-separated subset of {', '.join(ARMS)} (deepfm, wide_deep: {', '.join(RECSYS_ARMS)}; default all)")
+    parser.add_argument(
+        "--arms",
+        help=f"comma-separated subset of {', '.join(ARMS)} (deepfm, wide_deep: {', '.join(RECSYS_ARMS)}; default all)",
+    )
     parser.add_argument(
         "--variant",
         action="append",
@@ -60,7 +69,9 @@ def _arms(text: str | None, model: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     bad = [a for a in arms if a not in accepted]
     if bad or not arms or len(set(arms)) != len(arms):
-        raise ValueError(f"invalid --arms {text!r} for {model}; accepted: a comma-separated subset of {', '.join(accepted)}")
+        raise ValueError(
+            f"invalid --arms {text!r} for {model}; accepted: a comma-separated subset of {', '.join(accepted)}"
+        )
     return arms
 
 
@@ -105,8 +116,14 @@ def _run_arm(
         launcher, env = TRAINACCEL_RUN, {**os.environ, **{Config.env_name(k): v for k, v in options.items()}}
     else:
         launcher, env = TORCHRUN, plain_env()
-    common = [f"--arm={arm}", f"--model={args.model}", f"--batch-size={args.batch_size}", f"--steps={args.steps}",
-              f"--warmup={args.warmup}", f"--out={out}"]  # fmt: skip
+    common = [
+        f"--arm={arm}",
+        f"--model={args.model}",
+        f"--batch-size={args.batch_size}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--out={out}",
+    ]
     if args.model in RECSYS_MODELS:
         worker = ["-m", RECSYS_WORKER_MODULE, *common, f"--dim={args.embedding_dim}", f"--max-rows={args.max_rows}"]
     else:
@@ -213,9 +230,8 @@ def main(args: argparse.Namespace) -> int:
         if emulation
         else f"{args.nproc_per_node} workers"
     )
-    title = (
-        f"bench train {args.model}: {workers} x batch {args.batch_size}, "
-        f"median of {args.repeats}" + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
+    title = f"bench train {args.model}: {workers} x batch {args.batch_size}, median of {args.repeats}" + (
+        f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else ""
     )
     render(summary, title)
     if args.plot:

@@ -56,8 +56,9 @@ def arm_arguments(arms: tuple[str, ...]) -> argparse.ArgumentParser:
     return parser
 
 
-def timed_steps(step: Callable[[int], torch.Tensor], steps: int, warmup: int, device: torch.device,
-                on_start: Callable[[], None]) -> tuple[float, torch.Tensor]:  # fmt: skip
+def timed_steps(
+    step: Callable[[int], torch.Tensor], steps: int, warmup: int, device: torch.device, on_start: Callable[[], None]
+) -> tuple[float, torch.Tensor]:
     """Run `step(i)` for each step; returns the slowest worker's seconds after `warmup` steps, and the last loss."""
     started = 0.0
     for i in range(steps):
@@ -91,7 +92,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = get_model(args.model)
     torch.manual_seed(0)
-    model = DistributedDataParallel(spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    model = DistributedDataParallel(
+        spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
     if args.arm == "local":
         model.register_comm_hook(None, no_communication)
     optimizer = scaled(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))  # loss scaling if amp=fp16

@@ -138,4 +138,3 @@ def autotune_comm_hook(state: Autotuner, bucket: dist.GradBucket) -> torch.futur
 def warmup_steps(config: Config) -> int:
     """Untimed steps before a candidate is timed (PowerSGD compresses only after START_STEP steps)."""
     return START_STEP + 1 if config.compression == "powersgd" else 1
-

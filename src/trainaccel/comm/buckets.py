@@ -13,18 +13,29 @@ from typing import Any
 
 Signature = tuple  # the indices, in the model's `parameters()` order, of the parameters one bucket holds
 
-LOCAL_STORES = ("residual", "velocity", "inter_residual", "inter_velocity", "intra_residual", "intra_velocity",
-                "powersgd_error")  # fmt: skip
+LOCAL_STORES = (
+    "residual",
+    "velocity",
+    "inter_residual",
+    "inter_velocity",
+    "intra_residual",
+    "intra_velocity",
+    "powersgd_error",
+)
 """Stores that hold what this rank alone knows (its own gradients' residuals); the others are equal on every rank."""
 
 
 def bucket_stores(state: Any) -> dict[str, dict]:
     """Every dict of `state` (a CommState) keyed by bucket index, or by (bucket index, chunk), by name."""
     stores: dict[str, dict] = {}
-    for prefix, feedback in (("", state.feedback), *(
-        (("inter_", state.hierarchy.feedback), ("intra_", state.hierarchy.intra_feedback))
-        if state.hierarchy is not None else ()
-    )):  # fmt: skip
+    for prefix, feedback in (
+        ("", state.feedback),
+        *(
+            (("inter_", state.hierarchy.feedback), ("intra_", state.hierarchy.intra_feedback))
+            if state.hierarchy is not None
+            else ()
+        ),
+    ):
         if feedback is not None:
             stores[f"{prefix}residual"], stores[f"{prefix}velocity"] = feedback.residuals, feedback.velocities
     for prefix, codec in (("", state.codec), ("intra_", getattr(state.hierarchy, "intra_codec", None))):

@@ -44,8 +44,10 @@ def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
     header = {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
     if isinstance(state, Autotuner):
         saved = {c.label: _comm_state_dict(c.state) for c in state.candidates}
-        return {**header, "autotune": {"chosen": state.chosen.label if state.chosen is not None else None,
-                                       "candidates": saved}}  # fmt: skip
+        return {
+            **header,
+            "autotune": {"chosen": state.chosen.label if state.chosen is not None else None, "candidates": saved},
+        }
     return {**header, **_comm_state_dict(state)}
 
 
@@ -138,18 +140,25 @@ def _local_part_applies(saved: dict[str, Any]) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     if saved.get("rank") == rank and saved.get("world_size") == world:
         return True
-    why = (f"it was saved by rank {saved.get('rank')}" if saved.get("world_size") == world
-           else f"it was saved in a job of {saved.get('world_size')} workers, this one has {world}")  # fmt: skip
-    warn_once(f"the checkpoint's communication state is not this rank's ({why}): this rank's residuals start "
-              "empty, which costs a little of the compressed gradients' history; save the model on every rank "
-              "for an exact resume", every_rank=True)  # fmt: skip
+    why = (
+        f"it was saved by rank {saved.get('rank')}"
+        if saved.get("world_size") == world
+        else f"it was saved in a job of {saved.get('world_size')} workers, this one has {world}"
+    )
+    warn_once(
+        f"the checkpoint's communication state is not this rank's ({why}): this rank's residuals start "
+        "empty, which costs a little of the compressed gradients' history; save the model on every rank "
+        "for an exact resume",
+        every_rank=True,
+    )
     return False
 
 
 def _comm_state_dict(state: CommState) -> dict[str, Any]:
     names = list(state.param_names.values())
-    buckets: dict[tuple, dict] = {signature: {k: dict(v) for k, v in entries.items()}
-                                  for signature, entries in state.parked.items()}  # fmt: skip
+    buckets: dict[tuple, dict] = {
+        signature: {k: dict(v) for k, v in entries.items()} for signature, entries in state.parked.items()
+    }
     at = {signature: index for index, signature in state.signatures.items()}
     at.update({signature: index for index, signature in state.restored_buckets.items()})
     for signature in at:
@@ -163,13 +172,20 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
     saved: dict[str, Any] = {
         "compression": _compression(state),
         "hierarchical": state.hierarchy is not None,
-        "counters": {"steps": state.steps, "fallbacks": state.fallbacks, "skipped_steps": state.skipped_steps,
-                     "flat_bytes_sent": state.flat_bytes_sent},  # fmt: skip
+        "counters": {
+            "steps": state.steps,
+            "fallbacks": state.fallbacks,
+            "skipped_steps": state.skipped_steps,
+            "flat_bytes_sent": state.flat_bytes_sent,
+        },
         "buckets": [
-            {"params": [names[i] if i < len(names) else f"#{i}" for i in signature], "index": at.get(signature, -1),
-             **{name: [[rest, _copy(value)] for rest, value in entries.items()] for name, entries in stores.items()}}
+            {
+                "params": [names[i] if i < len(names) else f"#{i}" for i in signature],
+                "index": at.get(signature, -1),
+                **{name: [[rest, _copy(value)] for rest, value in entries.items()] for name, entries in stores.items()},
+            }
             for signature, stores in buckets.items()
-        ],  # fmt: skip
+        ],
     }
     if state.hierarchy is not None:
         saved["counters"]["hierarchy_bytes_sent"] = state.hierarchy.bytes_sent
@@ -178,18 +194,21 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
         p = state.powersgd
         kind, key, pos, has_gauss, cached = p.rng.get_state()
         saved["powersgd"] = {
-            "iter": p.iter, "rng": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached],
+            "iter": p.iter,
+            "rng": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached],
             "total_numel_before_compression": p.total_numel_before_compression,
             "total_numel_after_compression": p.total_numel_after_compression,
-        }  # fmt: skip
+        }
     return saved
 
 
 def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> None:
     if saved.get("compression") != _compression(state) or saved.get("hierarchical") != (state.hierarchy is not None):
-        warn_once(f"the checkpoint's communication state is for compression={saved.get('compression')} "
-                  f"(hierarchical: {saved.get('hierarchical')}), this run uses compression={_compression(state)} "
-                  f"(hierarchical: {state.hierarchy is not None}): not restored")  # fmt: skip
+        warn_once(
+            f"the checkpoint's communication state is for compression={saved.get('compression')} "
+            f"(hierarchical: {saved.get('hierarchical')}), this run uses compression={_compression(state)} "
+            f"(hierarchical: {state.hierarchy is not None}): not restored"
+        )
         return
     counters = saved["counters"]
     state.steps = state.steps_at_start = counters["steps"]
@@ -216,15 +235,20 @@ def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> No
         if not all(name in index_of for name in params):
             unknown.extend(name for name in params if name not in index_of)
             continue
-        entries = {name: {rest: value for rest, value in pairs} for name, pairs in bucket.items()
-                   if name not in ("params", "index") and (local or name not in LOCAL_STORES)}  # fmt: skip
+        entries = {
+            name: {rest: value for rest, value in pairs}
+            for name, pairs in bucket.items()
+            if name not in ("params", "index") and (local or name not in LOCAL_STORES)
+        }
         signature = tuple(index_of[name] for name in params)
         state.parked[signature] = entries
         if bucket["index"] >= 0:
             state.restored_buckets[bucket["index"]] = signature
     if unknown:
-        warn_once(f"the checkpoint's communication state names parameters this model does not have "
-                  f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): their buckets start empty")  # fmt: skip
+        warn_once(
+            f"the checkpoint's communication state names parameters this model does not have "
+            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): their buckets start empty"
+        )
 
 
 def _compression(state: CommState) -> str:

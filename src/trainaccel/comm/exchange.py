@@ -45,8 +45,17 @@ def received_bytes(payload: torch.Tensor, summable: bool, size: int) -> int:
 class Pending:
     """An exchange whose collective is in flight; `finish()` completes it on the calling thread."""
 
-    def __init__(self, codec: Codec, feedback: ErrorFeedback | None, tensor: torch.Tensor, key: Any,
-                 group: dist.ProcessGroup, scale: float, out: torch.Tensor | None, span_name: str | None):  # fmt: skip
+    def __init__(
+        self,
+        codec: Codec,
+        feedback: ErrorFeedback | None,
+        tensor: torch.Tensor,
+        key: Any,
+        group: dist.ProcessGroup,
+        scale: float,
+        out: torch.Tensor | None,
+        span_name: str | None,
+    ):
         self.codec, self.feedback, self.key, self.group, self.scale = codec, feedback, key, group, scale
         self.tensor, self.out = tensor, out
         self.trace = timeline.current()
@@ -111,9 +120,16 @@ def _values(codec: Codec, payload: torch.Tensor) -> torch.Tensor:
     return payload if values is None else values(payload)
 
 
-def start_exchange(codec: Codec, feedback: ErrorFeedback | None, tensor: torch.Tensor, key: Any,
-                   group: dist.ProcessGroup, scale: float = 1.0, out: torch.Tensor | None = None,
-                   span_name: str | None = None) -> Pending:  # fmt: skip
+def start_exchange(
+    codec: Codec,
+    feedback: ErrorFeedback | None,
+    tensor: torch.Tensor,
+    key: Any,
+    group: dist.ProcessGroup,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    span_name: str | None = None,
+) -> Pending:
     """Start summing `scale * tensor` over `group` through `codec` (error feedback keyed by `key`).
 
     `tensor` is scaled in place only without feedback. A codec with `accumulate` decodes into

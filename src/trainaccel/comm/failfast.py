@@ -61,7 +61,9 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
-        self._store.set(f"{_PREFIX}{self.rank}", json.dumps({**self._place, "time": time.time(), "step": self._progress()}))
+        self._store.set(
+            f"{_PREFIX}{self.rank}", json.dumps({**self._place, "time": time.time(), "step": self._progress()})
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -135,10 +137,14 @@ def explain(error: BaseException) -> str | None:
             continue
         where = f"rank {rank} (host {beat['host']}, local rank {beat['local_rank']})"
         if before.get(rank, {}).get("time") == beat["time"]:
-            missing.append(f"{where}: no heartbeat for {time.time() - beat['time']:.0f} s, its process is gone or frozen")
+            missing.append(
+                f"{where}: no heartbeat for {time.time() - beat['time']:.0f} s, its process is gone or frozen"
+            )
         elif beat["step"] < mine:
-            missing.append(f"{where}: alive but at step {beat['step']}, behind this rank's step {mine}: "
-                           "it has not reached this collective")  # fmt: skip
+            missing.append(
+                f"{where}: alive but at step {beat['step']}, behind this rank's step {mine}: "
+                "it has not reached this collective"
+            )
     if not missing:
         return f"a collective failed on rank {me} at step {mine}; every peer is alive and at least as far"
     return f"a collective failed on rank {me} at step {mine}; missing peers: " + "; ".join(missing)

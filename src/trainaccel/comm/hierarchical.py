@@ -16,8 +16,14 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression
-from trainaccel.comm.exchange import (EXACT, NOT_FINITE, all_gather_single, note_overflow, reduce_scatter_single,
-                                      start_exchange)
+from trainaccel.comm.exchange import (
+    EXACT,
+    NOT_FINITE,
+    all_gather_single,
+    note_overflow,
+    reduce_scatter_single,
+    start_exchange,
+)
 from trainaccel.comm.topology import Topology
 from trainaccel.monitor import timeline
 
@@ -121,8 +127,15 @@ class HierarchicalReduce:
 
     def _start_sum_across_nodes(self, shard: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
         out = shard if self.feedback is not None else None  # folded into the residual: free to reuse
-        pending = start_exchange(self.codec, self.feedback, shard, key, self.topology.inter_group, out=out,
-                                 span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather")
+        pending = start_exchange(
+            self.codec,
+            self.feedback,
+            shard,
+            key,
+            self.topology.inter_group,
+            out=out,
+            span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather",
+        )
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
             outcome = pending.finish()

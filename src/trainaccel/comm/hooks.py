@@ -1,7 +1,6 @@
 """trainaccel's DDP communication hook: encode each bucket, reduce it (flat or hierarchical), decode, check it."""
 # No `from __future__ import annotations`: DDP checks this hook's annotations at runtime.
 
-
 import dataclasses
 import time
 from typing import Any
@@ -87,7 +86,8 @@ class CommState:
     def keeps_residuals(self) -> bool:
         """Whether a lossy codec keeps per-bucket state, which must not start before DDP's final buckets."""
         return self.feedback is not None or (
-            self.hierarchy is not None and (self.hierarchy.feedback is not None or self.hierarchy.intra_feedback is not None)
+            self.hierarchy is not None
+            and (self.hierarchy.feedback is not None or self.hierarchy.intra_feedback is not None)
         )
 
     @property
@@ -129,7 +129,9 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
             return timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))(None)
         if exact_first:
             # DDP may rebuild its buckets in a new parameter order after this step: residuals start after it.
-            return timeline.traced("allreduce (before DDP's final buckets)", index, lambda _: _exact(state, buffer))(None)
+            return timeline.traced("allreduce (before DDP's final buckets)", index, lambda _: _exact(state, buffer))(
+                None
+            )
         if state.hierarchy is not None:
             return _hierarchical(state, buffer, index, step)  # its stages trace themselves
         return _flat(state, buffer, index, step)  # `exchange` traces its stages
@@ -181,7 +183,9 @@ def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futu
     buffer = bucket.buffer()
     entry = (buffer, _signature(state, bucket), bucket.gradients())
     if not bucket.is_last():
-        fut: torch.futures.Future = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else [])
+        fut: torch.futures.Future = torch.futures.Future(
+            devices=[buffer.device] if buffer.device.type == "cuda" else []
+        )
         state.realigning.append((fut, entry))
         return fut
     held, state.realigning = state.realigning, []
@@ -206,8 +210,10 @@ def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> N
     covered = sorted(i for _, signature in restored for i in signature)
     if covered != sorted(gradients) or len({gradients[i].dtype for i in covered}) > 1:
         # Not the parameters the checkpoint's buckets hold: this step is reduced as a first step is.
-        warn_once("the restored communication state does not match this model's buckets: the first step after "
-                  "the restart is reduced exactly, and the codec's state is used from the next one")  # fmt: skip
+        warn_once(
+            "the restored communication state does not match this model's buckets: the first step after "
+            "the restart is reduced exactly, and the codec's state is used from the next one"
+        )
         for buffer, _, _ in entries:
             _exact(state, buffer)
         return
@@ -274,9 +280,11 @@ def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
     for entries in state.parked.values():
         for name in LOCAL_STORES:
             entries.pop(name, None)
-    warn_once("a step's gradients were reduced but no optimizer stepped on them (skipped by the script, or "
-              "accumulated without no_sync()): the codec's residuals are dropped after such a step so that "
-              "nothing of a discarded gradient reaches later steps")  # fmt: skip
+    warn_once(
+        "a step's gradients were reduced but no optimizer stepped on them (skipped by the script, or "
+        "accumulated without no_sync()): the codec's residuals are dropped after such a step so that "
+        "nothing of a discarded gradient reaches later steps"
+    )
 
 
 def _world(state: CommState) -> int:
@@ -286,8 +294,10 @@ def _world(state: CommState) -> int:
 def _exact(state: CommState, buffer: torch.Tensor, sparse: bool = False) -> torch.Tensor:
     """Plain DDP's reduction: the mean of the buffer in its own dtype (sparse gradients stay sparse)."""
     if sparse:
-        warn_once("sparse gradients (e.g. nn.Embedding(sparse=True)) are averaged exactly, uncompressed; "
-                  "the codec applies to the dense buckets")  # fmt: skip
+        warn_once(
+            "sparse gradients (e.g. nn.Embedding(sparse=True)) are averaged exactly, uncompressed; "
+            "the codec applies to the dense buckets"
+        )
         buffer = buffer.coalesce()  # one value per row: what Gloo's sparse allreduce expects
     buffer.div_(_world(state))
     dist.all_reduce(buffer, group=state.group)
@@ -332,13 +342,19 @@ def _note_fallback(state: CommState, where: str, step: int, fallback: str) -> No
     name = "powersgd" if state.powersgd is not None else state.codec.name
     log.debug("compression=%s: %s was not finite at step %d: reduced exactly (%s)", name, where, step, fallback)
     if fallback == EXACT:
-        warn_once(f"compression={name}: at step {step} the compressed sum of {where} was not finite (a gradient "
-                  "beyond the codec's range): that bucket was reduced exactly instead, as plain DDP would, and its "
-                  "residual cleared; later cases are logged at debug level")  # fmt: skip
+        warn_once(
+            f"compression={name}: at step {step} the compressed sum of {where} was not finite (a gradient "
+            "beyond the codec's range): that bucket was reduced exactly instead, as plain DDP would, and its "
+            "residual cleared; later cases are logged at debug level"
+        )
     else:
-        warn_once(f"compression={name}: at step {step} the gradient of {where} is not finite on some worker: it is "
-                  "passed on as plain DDP would (a GradScaler skips such a step) and the residual is cleared; "
-                  "later cases are logged at debug level")  # fmt: skip
+        warn_once(
+            f"compression={name}: at step {step} the gradient of {where} is not finite on some worker: it is "
+            "passed on as plain DDP would (a GradScaler skips such a step) and the residual is cleared; "
+            "later cases are logged at debug level"
+        )
+
+
 def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tensor) -> None:
     if bool(torch.isfinite(result.coalesce().values() if result.is_sparse else result).all()):
         return
@@ -351,8 +367,7 @@ def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tenso
             bad.append(state.param_names.get(id(param), f"<parameter of shape {tuple(param.shape)}>"))
         offset += n
     message = (
-        f"non-finite gradient after allreduce at step {state.steps} in: {', '.join(bad)} "
-        f"(nan_check={state.nan_check})"
+        f"non-finite gradient after allreduce at step {state.steps} in: {', '.join(bad)} (nan_check={state.nan_check})"
     )
     if state.nan_check == "raise":
         raise FloatingPointError(message)

@@ -78,7 +78,9 @@ class LocalSteps:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume counting where a checkpoint left off (call between passes)."""
         if state["every"] != self.every:
-            raise ValueError(f"checkpoint was taken with every={state['every']}, this LocalSteps has every={self.every}")
+            raise ValueError(
+                f"checkpoint was taken with every={state['every']}, this LocalSteps has every={self.every}"
+            )
         self.passes = int(state["passes"])
 
 

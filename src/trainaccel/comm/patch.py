@@ -17,7 +17,13 @@ from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, c
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
-from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook, unwatch_optimizer_steps, watch_optimizer_steps
+from trainaccel.comm.hooks import (
+    CommState,
+    CommWait,
+    trainaccel_comm_hook,
+    unwatch_optimizer_steps,
+    watch_optimizer_steps,
+)
 from trainaccel.comm.powersgd import powersgd_state
 from trainaccel.comm.scheduler import engine_group
 from trainaccel.comm.topology import discover
@@ -64,7 +70,9 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     if _nothing_to_add(state, config):
         # A Python hook costs a few percent over DDP's C++ allreduce; with nothing to add, use that.
         state.builtin = True
-        state.dense_bytes_per_step = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
+        state.dense_bytes_per_step = sum(
+            p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad
+        )
         ddp_model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         guard_exit()  # Gloo's threads can still be finishing at exit: the same short wait as for our hook
     else:
@@ -91,8 +99,9 @@ def _nothing_to_add(state: CommState, config: Config) -> bool:
     )
 
 
-def build_autotuner(process_group: Any, config: Config, param_names: dict[int, str],
-                    comm_wait: CommWait | None = None) -> Autotuner:  # fmt: skip
+def build_autotuner(
+    process_group: Any, config: Config, param_names: dict[int, str], comm_wait: CommWait | None = None
+) -> Autotuner:
     """An Autotuner over the candidate reductions for `config` (see `trainaccel.comm.autotune`)."""
     multi_node = config.hierarchical != "off" and discover(process_group).why_flat() is None
     candidates = []
@@ -115,12 +124,19 @@ DENSE_CODECS = ("none", "fp16", "bf16")
 # the two-level form was not measured against them: there `on`, or autotune=on, which times both.
 
 
-def build_state(process_group: Any, config: Config, param_names: dict[int, str] | None = None,
-                comm_wait: CommWait | None = None) -> CommState:  # fmt: skip
+def build_state(
+    process_group: Any, config: Config, param_names: dict[int, str] | None = None, comm_wait: CommWait | None = None
+) -> CommState:
     """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies."""
-    state = CommState(process_group=process_group, codec=NoCompression(), group=engine_group(process_group),
-                      nan_check=config.nan_check, param_names=param_names or {}, comm_wait=comm_wait,
-                      param_index={pid: i for i, pid in enumerate(param_names or {})})  # fmt: skip
+    state = CommState(
+        process_group=process_group,
+        codec=NoCompression(),
+        group=engine_group(process_group),
+        nan_check=config.nan_check,
+        param_names=param_names or {},
+        comm_wait=comm_wait,
+        param_index={pid: i for i, pid in enumerate(param_names or {})},
+    )
     if config.compression == "powersgd":
         state.powersgd = powersgd_state(state.group, config.powersgd_rank)
         if config.hierarchical == "on":
@@ -130,8 +146,9 @@ def build_state(process_group: Any, config: Config, param_names: dict[int, str] 
     if state.codec.lossy:
         sparse = config.compression in ("topk", "randomk")
         state.feedback = ErrorFeedback(config.compression_momentum if sparse else 0.0)
-    wanted = config.hierarchical == "on" or (config.hierarchical == "auto" and config.compression in DENSE_CODECS
-                                             and dist.get_backend(state.group) == "gloo")  # fmt: skip
+    wanted = config.hierarchical == "on" or (
+        config.hierarchical == "auto" and config.compression in DENSE_CODECS and dist.get_backend(state.group) == "gloo"
+    )
     topology = discover(process_group) if wanted else None
     why_flat = topology.why_flat() if topology is not None else None
     if topology is not None and why_flat is None:
@@ -240,8 +257,10 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
     if existing:
         log.info("keeping the communication hook %s registered by the script", existing)
         if config.straggler_every or config.timeline is not None:
-            warn_once("straggler_every and timeline need trainaccel's communication hook: off for this model, "
-                       f"which keeps the script's hook {existing}")  # fmt: skip
+            warn_once(
+                "straggler_every and timeline need trainaccel's communication hook: off for this model, "
+                f"which keeps the script's hook {existing}"
+            )
         guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
         return
     if config.local_steps > 1 and not hasattr(ddp_model, "_trainaccel_local_steps"):

@@ -78,7 +78,9 @@ def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
     world = dist.group.WORLD
     group = world if process_group is None else process_group
     if group is not world:
-        return Topology(dist.get_rank(group), dist.get_world_size(group), (tuple(range(dist.get_world_size(group))),), 0)
+        return Topology(
+            dist.get_rank(group), dist.get_world_size(group), (tuple(range(dist.get_world_size(group))),), 0
+        )
     if _cache and _cache[0][0] is world:
         return _cache[0][1]
     rank, size = dist.get_rank(), dist.get_world_size()

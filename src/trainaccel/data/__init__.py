@@ -10,11 +10,20 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "RecordDataset": "dataset", "ShardSampler": "sampler",
-    "ImageRecord": "example", "decode_example": "example", "encode_example": "example",
-    "CorruptRecordError": "records", "RecordFile": "records", "RecordWriter": "records", "build_index": "records",
-    "index_path": "records", "masked_crc": "records", "read_index": "records", "write_index": "records",
-}  # fmt: skip
+    "RecordDataset": "dataset",
+    "ShardSampler": "sampler",
+    "ImageRecord": "example",
+    "decode_example": "example",
+    "encode_example": "example",
+    "CorruptRecordError": "records",
+    "RecordFile": "records",
+    "RecordWriter": "records",
+    "build_index": "records",
+    "index_path": "records",
+    "masked_crc": "records",
+    "read_index": "records",
+    "write_index": "records",
+}
 __all__ = sorted(_HOMES)
 
 

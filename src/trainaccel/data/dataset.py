@@ -30,9 +30,15 @@ class RecordDataset(torch.utils.data.Dataset):
     unless `verify=False`.
     """
 
-    def __init__(self, path: str | Path, transform: Callable[[Any], Any] | None = None,
-                 target_transform: Callable[[int], Any] | None = None, output: str = "pil",
-                 decode_size: int | tuple[int, int] | None = None, verify: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        path: str | Path,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        output: str = "pil",
+        decode_size: int | tuple[int, int] | None = None,
+        verify: bool = True,
+    ):
         if output not in OUTPUTS:
             raise ValueError(f"invalid output={output!r}; accepted: {', '.join(OUTPUTS)}")
         if isinstance(decode_size, int) and not isinstance(decode_size, bool):
@@ -50,7 +56,9 @@ class RecordDataset(torch.utils.data.Dataset):
         manifest = path / "manifest.json" if path.is_dir() else path if path.name == "manifest.json" else None
         if manifest is not None:
             if not manifest.is_file():
-                raise FileNotFoundError(f"no manifest.json in {path}; pass a pack's folder, a shard or a glob of shards")
+                raise FileNotFoundError(
+                    f"no manifest.json in {path}; pass a pack's folder, a shard or a glob of shards"
+                )
             content = json.loads(manifest.read_text())
             self.labels = content.get("labels", {})
             return [manifest.parent / s["name"] for s in content["shards"]]
@@ -84,8 +92,10 @@ class RecordDataset(torch.utils.data.Dataset):
                 image = decode_image(record.encoded, self.output, self.decode_size)
             except Exception as error:  # name the record: the decoders' own messages say only what broke
                 shard, number = self.locate(index)
-                raise ValueError(f"cannot decode the image of record {number} ({record.filename or 'no file name'}) "
-                                 f"in {self.shards[shard].shard}: {error}") from error  # fmt: skip
+                raise ValueError(
+                    f"cannot decode the image of record {number} ({record.filename or 'no file name'}) "
+                    f"in {self.shards[shard].shard}: {error}"
+                ) from error
         label: Any = record.label
         if self.transform is not None:
             image = self.transform(image)

@@ -53,8 +53,9 @@ def _decode_jpeg(encoded: bytes, size: tuple[int, int] | None) -> np.ndarray | N
         height, width, _, _ = simplejpeg.decode_jpeg_header(encoded)
         factor = dct_factor(width, height, size)
         # Asking for at least 1/factor of the size makes libjpeg-turbo pick exactly that scale.
-        return simplejpeg.decode_jpeg(encoded, colorspace="RGB", min_height=-(-height // factor),
-                                      min_width=-(-width // factor))  # fmt: skip
+        return simplejpeg.decode_jpeg(
+            encoded, colorspace="RGB", min_height=-(-height // factor), min_width=-(-width // factor)
+        )
     except ValueError:  # Pillow decodes what libjpeg-turbo refuses in strict mode, or says why it cannot
         return None
 

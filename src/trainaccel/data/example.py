@@ -17,7 +17,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 def _message_classes() -> dict[str, type]:
     F = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="trainaccel/tf_example.proto", package="tensorflow", syntax="proto3")
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="trainaccel/tf_example.proto", package="tensorflow", syntax="proto3"
+    )
 
     def message(name: str, *fields: tuple[str, int, int, int, str]) -> descriptor_pb2.DescriptorProto:
         msg = proto.message_type.add(name=name)
@@ -46,8 +48,10 @@ def _message_classes() -> dict[str, type]:
     message("Example", ("features", 1, F.TYPE_MESSAGE, optional, ".tensorflow.Features"))
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
-    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{name}"))
-            for name in ("Example", "Feature")}  # fmt: skip
+    return {
+        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tensorflow.{name}"))
+        for name in ("Example", "Feature")
+    }
 
 
 _CLASSES = _message_classes()
@@ -72,7 +76,9 @@ def encode_example(features: Mapping[str, Value | Sequence[Value] | np.ndarray])
             elif value.dtype.kind in "OSU":
                 target.bytes_list.value.extend(v.encode() if isinstance(v, str) else bytes(v) for v in value.ravel())
             else:
-                raise ValueError(f"feature {key!r}: arrays of dtype {value.dtype} are not accepted; use float, int or object arrays")
+                raise ValueError(
+                    f"feature {key!r}: arrays of dtype {value.dtype} are not accepted; use float, int or object arrays"
+                )
             continue
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if all(isinstance(v, (bytes, str)) for v in values) and values:
@@ -83,7 +89,9 @@ def encode_example(features: Mapping[str, Value | Sequence[Value] | np.ndarray])
             target.float_list.value.extend(float(v) for v in values)
         else:
             kinds = sorted({type(v).__name__ for v in values})
-            raise ValueError(f"feature {key!r} has values of types {kinds}; accepted: all bytes/str, all int, or all float")
+            raise ValueError(
+                f"feature {key!r} has values of types {kinds}; accepted: all bytes/str, all int, or all float"
+            )
     return example.SerializeToString(deterministic=True)  # map keys sorted: the same bytes in every process
 
 
@@ -109,10 +117,17 @@ class ImageRecord:
     filename: str = ""
 
     def to_example(self, **extra: Value | Sequence[Value]) -> bytes:
-        return encode_example({
-            "image/encoded": self.encoded, "image/format": self.format, "image/class/label": self.label,
-            "image/height": self.height, "image/width": self.width, "image/filename": self.filename, **extra,
-        })  # fmt: skip
+        return encode_example(
+            {
+                "image/encoded": self.encoded,
+                "image/format": self.format,
+                "image/class/label": self.label,
+                "image/height": self.height,
+                "image/width": self.width,
+                "image/filename": self.filename,
+                **extra,
+            }
+        )
 
     @classmethod
     def from_example(cls, payload: bytes) -> "ImageRecord":
@@ -126,7 +141,10 @@ class ImageRecord:
 
         fmt, name = one("image/format", b"jpeg"), one("image/filename", b"")
         return cls(
-            encoded=features["image/encoded"][0], label=int(one("image/class/label", -1)),
-            format=fmt.decode() if isinstance(fmt, bytes) else str(fmt), height=int(one("image/height", 0)),
-            width=int(one("image/width", 0)), filename=name.decode() if isinstance(name, bytes) else str(name),
-        )  # fmt: skip
+            encoded=features["image/encoded"][0],
+            label=int(one("image/class/label", -1)),
+            format=fmt.decode() if isinstance(fmt, bytes) else str(fmt),
+            height=int(one("image/height", 0)),
+            width=int(one("image/width", 0)),
+            filename=name.decode() if isinstance(name, bytes) else str(name),
+        )

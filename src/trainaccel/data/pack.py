@@ -60,7 +60,9 @@ class PackOptions:
 
     def __post_init__(self) -> None:
         parse_shard_size(self.shard_size)
-        if self.max_side is not None and (isinstance(self.max_side, bool) or not isinstance(self.max_side, int) or self.max_side < 1):
+        if self.max_side is not None and (
+            isinstance(self.max_side, bool) or not isinstance(self.max_side, int) or self.max_side < 1
+        ):
             raise ValueError(f"invalid max_side={self.max_side!r}; accepted: an integer >= 1, or None to keep the size")
         if isinstance(self.quality, bool) or not isinstance(self.quality, int) or not 1 <= self.quality <= 100:
             raise ValueError(f"invalid quality={self.quality!r}; accepted: an integer from 1 to 100")
@@ -73,8 +75,10 @@ def parse_shard_size(text: str) -> tuple[str, int]:
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if not match or int(match.group(1)) < 1 or (unit and unit not in _UNITS):
-        raise ValueError(f"invalid shard size {text!r}; accepted: a record count (1000) or bytes with a unit "
-                         f"({', '.join(u.upper().replace('I', 'i') for u in _UNITS)}), e.g. 64MB")  # fmt: skip
+        raise ValueError(
+            f"invalid shard size {text!r}; accepted: a record count (1000) or bytes with a unit "
+            f"({', '.join(u.upper().replace('I', 'i') for u in _UNITS)}), e.g. 64MB"
+        )
     return ("bytes", int(match.group(1)) * _UNITS[unit]) if unit else ("records", int(match.group(1)))
 
 
@@ -95,9 +99,12 @@ def folder_items(img_dir: Path, label_map: dict[str, int] | None = None) -> tupl
     missing = [c for c in classes if c not in label_map]
     if missing:
         raise PackError(f"the label map has no label for class folder(s) {missing[:5]} of {img_dir}")
-    items = [Item(path.relative_to(img_dir).as_posix(), label_map[c])
-             for c in classes for path in sorted((img_dir / c).rglob("*"))
-             if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES]  # fmt: skip
+    items = [
+        Item(path.relative_to(img_dir).as_posix(), label_map[c])
+        for c in classes
+        for path in sorted((img_dir / c).rglob("*"))
+        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
+    ]
     return items, label_map
 
 
@@ -151,7 +158,9 @@ def coco_items(annotations: Path) -> tuple[list[Item], dict[str, int]]:
     by_image: dict[Any, list[dict[str, Any]]] = {}
     for ann in data.get("annotations", []):
         if ann.get("category_id") not in categories:
-            raise PackError(f"{annotations}: annotation {ann.get('id')} has unknown category_id {ann.get('category_id')!r}")
+            raise PackError(
+                f"{annotations}: annotation {ann.get('id')} has unknown category_id {ann.get('category_id')!r}"
+            )
         by_image.setdefault(ann["image_id"], []).append(ann)
     items = []
     for image in sorted(images, key=lambda i: i["id"]):
@@ -223,21 +232,36 @@ def pack_shard(job: tuple[Path, Path, str, list[Item], PackOptions]) -> dict[str
                 encoded, fmt, height, width = encode_image(root / item.path, options)
             except Exception as error:  # PIL raises many kinds for damaged files
                 if options.on_error == "fail":
-                    raise PackError(f"{root / item.path}: {type(error).__name__}: {error} "
-                                    "(use --on-error skip to leave such files out)") from None  # fmt: skip
+                    raise PackError(
+                        f"{root / item.path}: {type(error).__name__}: {error} "
+                        "(use --on-error skip to leave such files out)"
+                    ) from None
                 skipped.append({"path": item.path, "error": f"{type(error).__name__}: {error}"})
                 continue
             record = ImageRecord(encoded, item.label, fmt, height, width, item.path)
             writer.write(record.to_example(**item.features()))
         records = len(writer.entries)
-    result = {"name": name, "records": records, "bytes": (out / name).stat().st_size,
-              "sha256": _sha256(out / name), "skipped": skipped}  # fmt: skip
+    result = {
+        "name": name,
+        "records": records,
+        "bytes": (out / name).stat().st_size,
+        "sha256": _sha256(out / name),
+        "skipped": skipped,
+    }
     _write_json(out / f"{name}.done.json", result)
     return result
 
 
-def pack(items: Sequence[Item], root: Path, out: Path, label_map: dict[str, int], options: PackOptions,
-         source: dict[str, Any], workers: int = 1, progress: Callable[[int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def pack(
+    items: Sequence[Item],
+    root: Path,
+    out: Path,
+    label_map: dict[str, int],
+    options: PackOptions,
+    source: dict[str, Any],
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Pack `items` (paths under `root`) into shards in `out`; returns the manifest."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"invalid workers={workers!r}; accepted: an integer >= 1")
@@ -246,8 +270,13 @@ def pack(items: Sequence[Item], root: Path, out: Path, label_map: dict[str, int]
     out.mkdir(parents=True, exist_ok=True)
     fingerprint = hashlib.sha256(json.dumps([asdict(i) for i in items], default=str).encode()).hexdigest()
     shards = plan_shards(items, root, options.shard_size)
-    plan = {"source": source, "options": asdict(options), "images": len(items), "fingerprint": fingerprint,
-            "shards": [[s[0], s[-1] + 1] for s in shards]}  # fmt: skip
+    plan = {
+        "source": source,
+        "options": asdict(options),
+        "images": len(items),
+        "fingerprint": fingerprint,
+        "shards": [[s[0], s[-1] + 1] for s in shards],
+    }
     manifest_path = out / MANIFEST
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
@@ -256,8 +285,10 @@ def pack(items: Sequence[Item], root: Path, out: Path, label_map: dict[str, int]
         raise PackError(f"{out} already holds a finished pack made with other arguments; use an empty folder")
     plan_path = out / PLAN
     if plan_path.exists() and json.loads(plan_path.read_text()) != plan:
-        raise PackError(f"{out} holds an unfinished pack made with other arguments or inputs; rerun that "
-                        "command to finish it, or use an empty folder")  # fmt: skip
+        raise PackError(
+            f"{out} holds an unfinished pack made with other arguments or inputs; rerun that "
+            "command to finish it, or use an empty folder"
+        )
     _write_json(plan_path, plan)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     results: dict[str, dict[str, Any]] = {}
@@ -276,10 +307,13 @@ def pack(items: Sequence[Item], root: Path, out: Path, label_map: dict[str, int]
             if progress:
                 progress(len(job[3]))
     manifest = {
-        "format": "tfrecord", "records": sum(r["records"] for r in results.values()),
+        "format": "tfrecord",
+        "records": sum(r["records"] for r in results.values()),
         "shards": [{k: results[n][k] for k in ("name", "records", "bytes", "sha256")} for n in names],
-        "labels": label_map, "skipped": [s for n in names for s in results[n]["skipped"]], "plan": plan,
-    }  # fmt: skip
+        "labels": label_map,
+        "skipped": [s for n in names for s in results[n]["skipped"]],
+        "plan": plan,
+    }
     _write_json(manifest_path, manifest)  # last: its presence means every shard is complete
     for name in names:
         (out / f"{name}.done.json").unlink(missing_ok=True)

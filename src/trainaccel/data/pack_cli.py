@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 
 
-
 def add_arguments(commands: argparse._SubParsersAction) -> None:
     make = commands.add_parser("make-list", help="write the image list (`relative/path label` lines) of class folders")
     make.add_argument("img_dir", type=Path, help="IMG_DIR/<class>/<image> folders")
     make.add_argument("list", type=Path, help="the list to write")
-    make.add_argument("--labels", type=Path, help="JSON {class: label} to use; default: sorted classes, written to labels.json beside the list")
+    make.add_argument(
+        "--labels",
+        type=Path,
+        help="JSON {class: label} to use; default: sorted classes, written to labels.json beside the list",
+    )
     folder = commands.add_parser("imagefolder", help="pack IMG_DIR/<class>/<image> into shards in OUT")
     folder.add_argument("img_dir", type=Path)
     folder.add_argument("out", type=Path)
@@ -20,25 +23,44 @@ def add_arguments(commands: argparse._SubParsersAction) -> None:
     listed.add_argument("list", type=Path)
     listed.add_argument("img_root", type=Path)
     listed.add_argument("out", type=Path)
-    listed.add_argument("--labels", type=Path, help="JSON {class: label} for the manifest; default: labels.json beside the list, if any")
+    listed.add_argument(
+        "--labels", type=Path, help="JSON {class: label} for the manifest; default: labels.json beside the list, if any"
+    )
     coco = commands.add_parser("coco", help="pack the images of a COCO annotation file, with boxes and categories")
     coco.add_argument("annotations", type=Path, help="COCO instances JSON (images, annotations, categories)")
     coco.add_argument("img_dir", type=Path)
     coco.add_argument("out", type=Path)
     for sub in (folder, listed, coco):
-        sub.add_argument("--shard-size", default="1000", help="records per shard (1000), or input bytes with a unit (64MB); default 1000")
-        sub.add_argument("--max-side", type=int, help="resize so the longer side is at most N (re-encoded as JPEG); default: keep")
+        sub.add_argument(
+            "--shard-size",
+            default="1000",
+            help="records per shard (1000), or input bytes with a unit (64MB); default 1000",
+        )
+        sub.add_argument(
+            "--max-side", type=int, help="resize so the longer side is at most N (re-encoded as JPEG); default: keep"
+        )
         sub.add_argument("--quality", type=int, default=90, help="JPEG quality for resized images (default 90)")
-        sub.add_argument("--on-error", choices=["skip", "fail"], default="fail",
-                         help="unreadable images: stop (fail, default) or leave out and list them in the manifest (skip)")  # fmt: skip
+        sub.add_argument(
+            "--on-error",
+            choices=["skip", "fail"],
+            default="fail",
+            help="unreadable images: stop (fail, default) or leave out and list them in the manifest (skip)",
+        )
         sub.add_argument("--workers", type=int, default=1, help="processes writing shards (default 1)")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         from trainaccel.data.pack import (
-            PackError, PackOptions, coco_items, folder_items, make_list, pack, read_labels, read_list,
-        )  # fmt: skip
+            PackError,
+            PackOptions,
+            coco_items,
+            folder_items,
+            make_list,
+            pack,
+            read_labels,
+            read_list,
+        )
     except ImportError as error:  # the data extra is not installed
         print(f"trainaccel pack: {error}; install it with pip install 'trainaccel[data]'", file=sys.stderr)
         return 2
@@ -66,8 +88,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"trainaccel pack: {error}", file=sys.stderr)
         return 2
     skipped = len(manifest["skipped"])
-    print(f"{args.out}: {manifest['records']} images in {len(manifest['shards'])} shards"
-          + (f"; {skipped} skipped (listed in manifest.json)" if skipped else ""))  # fmt: skip
+    print(
+        f"{args.out}: {manifest['records']} images in {len(manifest['shards'])} shards"
+        + (f"; {skipped} skipped (listed in manifest.json)" if skipped else "")
+    )
     return 0
 
 

@@ -120,8 +120,9 @@ def build_index(shard: str | Path) -> np.ndarray:
         length = _check_header(data, offset, shard, number)
         size = OVERHEAD + length
         if offset + size > len(data):
-            raise CorruptRecordError(f"{shard}: record {number} at offset {offset} is truncated "
-                                     f"({len(data) - offset} of {size} bytes)")  # fmt: skip
+            raise CorruptRecordError(
+                f"{shard}: record {number} at offset {offset} is truncated ({len(data) - offset} of {size} bytes)"
+            )
         entries.append((offset, size))
         offset += size
         number += 1
@@ -133,8 +134,10 @@ def _check_header(data: bytes | mmap.mmap, offset: int, shard: str | Path, numbe
         raise CorruptRecordError(f"{shard}: record {number} at offset {offset} is truncated (no complete header)")
     length, stored = _HEADER.unpack_from(data, offset)
     if masked_crc(data[offset : offset + 8]) != stored:
-        raise CorruptRecordError(f"{shard}: record {number} at offset {offset}: length CRC mismatch "
-                                 f"(the length field or its checksum is damaged)")  # fmt: skip
+        raise CorruptRecordError(
+            f"{shard}: record {number} at offset {offset}: length CRC mismatch "
+            f"(the length field or its checksum is damaged)"
+        )
     return length
 
 
@@ -177,19 +180,27 @@ class RecordFile:
         offset, size = (int(x) for x in self.index[number])
         data = self._data()
         if offset + size > len(data):
-            raise CorruptRecordError(f"{self.shard}: record {number} at offset {offset} is truncated "
-                                     f"(the index says {size} bytes; the shard has {len(data) - offset})")  # fmt: skip
-        length = _check_header(data, offset, self.shard, number) if self.verify else _HEADER.unpack_from(data, offset)[0]
+            raise CorruptRecordError(
+                f"{self.shard}: record {number} at offset {offset} is truncated "
+                f"(the index says {size} bytes; the shard has {len(data) - offset})"
+            )
+        length = (
+            _check_header(data, offset, self.shard, number) if self.verify else _HEADER.unpack_from(data, offset)[0]
+        )
         if OVERHEAD + length != size:
-            raise CorruptRecordError(f"{self.shard}: record {number} at offset {offset}: the index says {size} "
-                                     f"bytes, the record header {OVERHEAD + length}")  # fmt: skip
+            raise CorruptRecordError(
+                f"{self.shard}: record {number} at offset {offset}: the index says {size} "
+                f"bytes, the record header {OVERHEAD + length}"
+            )
         start = offset + _HEADER.size
         payload = data[start : start + length]
         if self.verify:
             (stored,) = _FOOTER.unpack_from(data, start + length)
             if masked_crc(payload) != stored:
-                raise CorruptRecordError(f"{self.shard}: record {number} at offset {offset}: payload CRC mismatch "
-                                         f"(stored {stored:#010x}, computed {masked_crc(payload):#010x})")  # fmt: skip
+                raise CorruptRecordError(
+                    f"{self.shard}: record {number} at offset {offset}: payload CRC mismatch "
+                    f"(stored {stored:#010x}, computed {masked_crc(payload):#010x})"
+                )
         return payload
 
     def __iter__(self) -> Iterator[bytes]:

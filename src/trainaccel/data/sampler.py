@@ -20,14 +20,29 @@ class ShardSampler(torch.utils.data.Sampler[int]):
     `load_state_dict` resume an epoch with exactly the samples not yet consumed.
     """
 
-    def __init__(self, dataset: RecordDataset, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, window: int = 1024, drop_last: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        dataset: RecordDataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        window: int = 1024,
+        drop_last: bool = False,
+    ):
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if not isinstance(num_replicas, int) or num_replicas < 1 or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(f"invalid rank={rank!r} of num_replicas={num_replicas!r}; accepted: 0 <= rank < num_replicas")
+        if (
+            not isinstance(num_replicas, int)
+            or num_replicas < 1
+            or not isinstance(rank, int)
+            or not 0 <= rank < num_replicas
+        ):
+            raise ValueError(
+                f"invalid rank={rank!r} of num_replicas={num_replicas!r}; accepted: 0 <= rank < num_replicas"
+            )
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"invalid window={window!r}; accepted: an integer >= 1 (records shuffled together)")
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
@@ -48,7 +63,9 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         order = [i for s in shards for i in range(*ranges[s])]
         for start in range(0, len(order), self.window):
             block = order[start : start + self.window]
-            order[start : start + self.window] = [block[j] for j in torch.randperm(len(block), generator=generator).tolist()]
+            order[start : start + self.window] = [
+                block[j] for j in torch.randperm(len(block), generator=generator).tolist()
+            ]
         return order
 
     def part(self) -> list[int]:
@@ -84,6 +101,8 @@ class ShardSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed or state["num_replicas"] != self.num_replicas:
-            raise ValueError(f"this state is for seed {state['seed']} on {state['num_replicas']} ranks; "
-                             f"the sampler has seed {self.seed} on {self.num_replicas}")  # fmt: skip
+            raise ValueError(
+                f"this state is for seed {state['seed']} on {state['num_replicas']} ranks; "
+                f"the sampler has seed {self.seed} on {self.num_replicas}"
+            )
         self.epoch, self._start = state["epoch"], state["consumed"]

@@ -51,10 +51,17 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path) -> dict:
     """Train once under this arm's launcher; returns rank 0's measured figures (also left in `out`)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in arm.options.items()]
     command = [
-        *arm.launcher, "--standalone", f"--nproc-per-node={args.nproc_per_node}", *flags,
-        "-m", WORKER_MODULE,
-        f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch-size={args.batch_size}", f"--out={out}",
-    ]  # fmt: skip
+        *arm.launcher,
+        "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}",
+        *flags,
+        "-m",
+        WORKER_MODULE,
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--batch-size={args.batch_size}",
+        f"--out={out}",
+    ]
     started = time.perf_counter()
     result = run_job(f"arm {arm.name!r}", command, out)
     result.update(arm=arm.name, command=command, wall_s=time.perf_counter() - started)
@@ -67,7 +74,14 @@ def render(results: list[dict]) -> None:
 
     base = results[0]["examples_per_s_per_worker"]
     table = Table(title=f"trainaccel demo: {results[0]['world_size']} local CPU workers, Gloo")
-    for column in ("arm", "examples/s per worker", "vs plain DDP", "final loss", "bytes sent/step", "replicas identical"):
+    for column in (
+        "arm",
+        "examples/s per worker",
+        "vs plain DDP",
+        "final loss",
+        "bytes sent/step",
+        "replicas identical",
+    ):
         table.add_column(column, justify="left" if column == "arm" else "right")
     for r in results:
         table.add_row(

@@ -31,8 +31,10 @@ def synthetic_dataset(examples: int, seed: int = 1234) -> TensorDataset:
 def build_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+        nn.Linear(IN_FEATURES, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
         nn.Linear(HIDDEN, CLASSES),
     )
 

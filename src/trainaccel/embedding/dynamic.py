@@ -82,7 +82,9 @@ class DynamicEmbedding(nn.Module):
         self.default_value = float(default_value)
         device = torch.device(device or "cpu")
         self.index = KeyIndex(int(initial_capacity / _INDEX_LOAD) + 1, device, self._counters())
-        self.weight = torch.empty(initial_capacity, self.dim, dtype=dtype, device=device)  # not a Parameter: DDP leaves it alone
+        self.weight = torch.empty(
+            initial_capacity, self.dim, dtype=dtype, device=device
+        )  # not a Parameter: DDP leaves it alone
         self.row_state: dict[str, torch.Tensor] = {}
         self._state_init: dict[str, float] = {}
         self.scalars: dict[str, float] = {}  # optimizer counters, e.g. Adam's step
@@ -101,7 +103,9 @@ class DynamicEmbedding(nn.Module):
         return ("counts",) * counts + ("last_seen",) * last_seen
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {k}={getattr(self, k)}" for k in ("admit_after", "ttl", "capacity") if getattr(self, k) not in (None, 1))
+        extra = "".join(
+            f", {k}={getattr(self, k)}" for k in ("admit_after", "ttl", "capacity") if getattr(self, k) not in (None, 1)
+        )
         return f"dim={self.dim}, rows={len(self)}{extra}"
 
     def __len__(self) -> int:
@@ -137,7 +141,8 @@ class DynamicEmbedding(nn.Module):
             self._pending.append((rows, values))
             if len(self._pending) == _PENDING_WARNING:
                 warnings.warn(
-                    f"{_PENDING_WARNING} training lookups of this DynamicEmbedding since the last sparse optimizer step; "
+                    f"{_PENDING_WARNING} training lookups of this DynamicEmbedding "
+                    "since the last sparse optimizer step; "
                     "only a sparse optimizer's step() trains and releases them (is one attached?). "
                     "Lookups that should not train belong under eval() or torch.no_grad().",
                     stacklevel=2,
@@ -204,7 +209,9 @@ class DynamicEmbedding(nn.Module):
             if self.row_state[name].shape[1] != width or self._state_init[name] != init:
                 raise ValueError(f"row state {name!r} already exists with another shape or initial value")
             return
-        self.row_state[name] = torch.full((self.weight.shape[0], width), float(init), dtype=self.weight.dtype, device=self.device)
+        self.row_state[name] = torch.full(
+            (self.weight.shape[0], width), float(init), dtype=self.weight.dtype, device=self.device
+        )
         self._state_init[name] = float(init)
         if self._unclaimed_state is not None and name in self._unclaimed_state[1]:
             keys, states = self._unclaimed_state
@@ -298,7 +305,9 @@ class DynamicEmbedding(nn.Module):
         keys = check_keys(data["keys"], "keys").to(self.device)
         weight = data["weight"]
         if weight.shape != (keys.numel(), self.dim):
-            raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit {keys.numel()} keys of dim {self.dim}")
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} does not fit {keys.numel()} keys of dim {self.dim}"
+            )
         pending = check_keys(data.get("pending_keys", keys[:0]), "pending_keys").to(self.device)
         all_keys = torch.cat([keys, pending])
         if torch.unique(all_keys).numel() != all_keys.numel():
@@ -311,12 +320,15 @@ class DynamicEmbedding(nn.Module):
         n = keys.numel()
         self.index.rows[slot[:n]] = torch.arange(n, dtype=torch.int32, device=self.device)
         self._next_row = n
-        for name, counter in self.index.counters.items():  # counters a table without these rules did not keep start at 0
+        for (
+            name,
+            counter,
+        ) in self.index.counters.items():  # counters a table without these rules did not keep start at 0
             n_pending = all_keys.numel() - n
             admitted = data.get(name, torch.zeros(n, dtype=torch.int32))
-            counter[slot] = torch.cat([admitted, data.get("pending_" + name, torch.zeros(n_pending, dtype=torch.int32))]).to(
-                self.device, torch.int32
-            )
+            counter[slot] = torch.cat(
+                [admitted, data.get("pending_" + name, torch.zeros(n_pending, dtype=torch.int32))]
+            ).to(self.device, torch.int32)
         self.weight[:n] = weight.to(self.device, self.weight.dtype)
         for name, state in self.row_state.items():
             if f"state.{name}" in data:
@@ -326,7 +338,11 @@ class DynamicEmbedding(nn.Module):
         self.step = int(data.get("step", torch.tensor(0)))
         self.scalars = {k.removeprefix("scalar."): float(v) for k, v in data.items() if k.startswith("scalar.")}
         # State of an optimizer not created yet waits for it (see add_row_state).
-        unclaimed = {k.removeprefix("state."): v for k, v in data.items() if k.startswith("state.") and k[6:] not in self.row_state}
+        unclaimed = {
+            k.removeprefix("state."): v
+            for k, v in data.items()
+            if k.startswith("state.") and k[6:] not in self.row_state
+        }
         self._unclaimed_state = (keys, unclaimed) if unclaimed else None
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
@@ -334,7 +350,9 @@ class DynamicEmbedding(nn.Module):
         for name, value in self.export().items():
             destination[prefix + name] = value
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):  # type: ignore[no-untyped-def]
         ours = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         unknown = [n for n in ours if n not in _NAMES and not n.startswith(("state.", "scalar."))]
         unexpected_keys.extend(prefix + n for n in unknown)
@@ -352,4 +370,3 @@ class DynamicEmbedding(nn.Module):
         self._free = fn(self._free)
         self.index.apply(fn)
         return super()._apply(fn, recurse)
-

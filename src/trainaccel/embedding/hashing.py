@@ -46,7 +46,11 @@ class KeyIndex:
     """
 
     def __init__(
-        self, capacity: int = 1024, device: torch.device | str = "cpu", counters: tuple[str, ...] = (), max_load: float = 0.7
+        self,
+        capacity: int = 1024,
+        device: torch.device | str = "cpu",
+        counters: tuple[str, ...] = (),
+        max_load: float = 0.7,
     ):
         capacity = 1 << max(4, (int(capacity) - 1).bit_length())  # a power of two: slot = hash & (capacity - 1)
         self.max_load = max_load

@@ -65,7 +65,9 @@ def resolve(initializer: Initializer | str | float | None) -> Initializer:
         return normal()
     if isinstance(initializer, str):
         if initializer not in NAMED:
-            raise ValueError(f"invalid initializer {initializer!r}; accepted: {', '.join(NAMED)}, a number or a callable")
+            raise ValueError(
+                f"invalid initializer {initializer!r}; accepted: {', '.join(NAMED)}, a number or a callable"
+            )
         return NAMED[initializer]()
     if isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
         return constant(initializer)

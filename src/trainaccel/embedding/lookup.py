@@ -65,10 +65,14 @@ def _weights_like(weights: Ids | None, values: torch.Tensor, order: torch.Tensor
     elif isinstance(weights, torch.Tensor) and weights.is_sparse:
         weights = weights._values()
     if not isinstance(weights, torch.Tensor) or not weights.dtype.is_floating_point:
-        raise TypeError(f"invalid weights {type(weights).__name__}; accepted: floating-point values shaped like the ids")
+        raise TypeError(
+            f"invalid weights {type(weights).__name__}; accepted: floating-point values shaped like the ids"
+        )
     weights = weights.reshape(-1)
     if weights.numel() != values.numel():
-        raise ValueError(f"invalid weights: {weights.numel()} values for {values.numel()} ids; accepted: one weight per id")
+        raise ValueError(
+            f"invalid weights: {weights.numel()} values for {values.numel()} ids; accepted: one weight per id"
+        )
     return weights if order is None else weights[order]
 
 
@@ -138,7 +142,9 @@ def combiner_weights(bags: Bags, combiner: str, dtype: torch.dtype) -> torch.Ten
         w = torch.ones(bags.values.numel(), dtype=dtype, device=bags.values.device)
     w = w.to(dtype)
     bag = _bag_index(bags)
-    total = torch.zeros(bags.num_bags, dtype=dtype, device=w.device).index_add(0, bag, w if combiner == "mean" else w * w)
+    total = torch.zeros(bags.num_bags, dtype=dtype, device=w.device).index_add(
+        0, bag, w if combiner == "mean" else w * w
+    )
     norm = total if combiner == "mean" else torch.sqrt(total)
     norm = norm[bag]
     return torch.where(norm != 0, w / torch.where(norm != 0, norm, torch.ones_like(norm)), torch.zeros_like(w))

@@ -26,12 +26,19 @@ def _tables(tables: nn.Module | Iterable[nn.Module]) -> tuple[list[DynamicEmbedd
     local = [m for m in found.values() if isinstance(m, DynamicEmbedding)]
     sharded = [m for m in found.values() if hasattr(m, "exchange_gradients")]
     if not local and not sharded:
-        raise ValueError("no embedding tables found; accepted: DynamicEmbedding or sharded tables, or modules holding them")
+        raise ValueError(
+            "no embedding tables found; accepted: DynamicEmbedding or sharded tables, or modules holding them"
+        )
     return local, sharded
 
 
 def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low or (high is not None and value >= high):
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value >= high)
+    ):
         accepted = f"a number >= {low}" + (f" and < {high}" if high is not None else "")
         raise ValueError(f"invalid {name} {value!r}; accepted: {accepted}")
     return float(value)
@@ -101,9 +108,18 @@ class SparseAdagrad(SparseOptimizer):
     """torch.optim.Adagrad on the touched rows: s += g^2; w -= lr * g / (sqrt(s) + eps)."""
 
     def __init__(
-        self, tables: nn.Module | Iterable[nn.Module], lr: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0
+        self,
+        tables: nn.Module | Iterable[nn.Module],
+        lr: float = 0.01,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
     ):
-        super().__init__(tables, lr=_check("lr", lr), eps=_check("eps", eps), initial_accumulator_value=_check("initial_accumulator_value", initial_accumulator_value))
+        super().__init__(
+            tables,
+            lr=_check("lr", lr),
+            eps=_check("eps", eps),
+            initial_accumulator_value=_check("initial_accumulator_value", initial_accumulator_value),
+        )
 
     def state_spec(self, dim: int) -> dict[str, tuple[int, float]]:
         return {"sum": (dim, self.defaults["initial_accumulator_value"])}
@@ -111,7 +127,9 @@ class SparseAdagrad(SparseOptimizer):
     def update(self, table: Any, rows: torch.Tensor, grad: torch.Tensor) -> None:
         total = table.row_state["sum"].index_select(0, rows).addcmul_(grad, grad)
         table.row_state["sum"].index_copy_(0, rows, total)
-        step = table.weight.index_select(0, rows).addcdiv_(grad, total.sqrt_().add_(self.defaults["eps"]), value=-self.lr)
+        step = table.weight.index_select(0, rows).addcdiv_(
+            grad, total.sqrt_().add_(self.defaults["eps"]), value=-self.lr
+        )
         table.weight.index_copy_(0, rows, step)
 
 
@@ -119,9 +137,18 @@ class RowWiseAdagrad(SparseOptimizer):
     """Adagrad with one accumulator per row (the mean of g^2 over the row): dim times less state."""
 
     def __init__(
-        self, tables: nn.Module | Iterable[nn.Module], lr: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0
+        self,
+        tables: nn.Module | Iterable[nn.Module],
+        lr: float = 0.01,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
     ):
-        super().__init__(tables, lr=_check("lr", lr), eps=_check("eps", eps), initial_accumulator_value=_check("initial_accumulator_value", initial_accumulator_value))
+        super().__init__(
+            tables,
+            lr=_check("lr", lr),
+            eps=_check("eps", eps),
+            initial_accumulator_value=_check("initial_accumulator_value", initial_accumulator_value),
+        )
 
     def state_spec(self, dim: int) -> dict[str, tuple[int, float]]:
         return {"row_sum": (1, self.defaults["initial_accumulator_value"])}

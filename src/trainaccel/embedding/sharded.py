@@ -24,7 +24,9 @@ _OWNER_SALT = 0x0A11CE  # owners use a different hash from the index's slots, so
 def _table_options(name: str, spec: int | Mapping[str, Any]) -> dict[str, Any]:
     options = {"dim": spec} if isinstance(spec, int) and not isinstance(spec, bool) else dict(spec)
     if "dim" not in options:
-        raise ValueError(f"invalid table {name!r}: {spec!r}; accepted: a dim or a dict of DynamicEmbedding options with 'dim'")
+        raise ValueError(
+            f"invalid table {name!r}: {spec!r}; accepted: a dim or a dict of DynamicEmbedding options with 'dim'"
+        )
     DynamicEmbedding(**{**options, "initial_capacity": 1})  # check the options here, on every rank alike
     return options
 
@@ -38,7 +40,9 @@ def row_owner(keys: torch.Tensor, world: int) -> torch.Tensor:
 class _Exchange:
     """What a lookup sent and received, kept until the step sends the gradients back."""
 
-    def __init__(self, received: torch.Tensor, served: torch.Tensor, requested_splits: list[int], served_splits: list[int]):
+    def __init__(
+        self, received: torch.Tensor, served: torch.Tensor, requested_splits: list[int], served_splits: list[int]
+    ):
         self.received, self.served = received, served  # rows this rank asked for; rows it served to others
         self.requested_splits, self.served_splits = requested_splits, served_splits
 
@@ -67,7 +71,9 @@ class ShardedEmbeddingCollection(nn.Module):
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.world = dist.get_world_size(process_group) if distributed else 1
         self.placement = self._place(placement)
-        self.shards = nn.ModuleDict({name: DynamicEmbedding(**self.options[name]) for name in self.names if self.holds(name)})
+        self.shards = nn.ModuleDict(
+            {name: DynamicEmbedding(**self.options[name]) for name in self.names if self.holds(name)}
+        )
         for shard in self.shards.values():
             shard.is_shard = True
         self._exchanges: list[_Exchange] = []
@@ -80,9 +86,15 @@ class ShardedEmbeddingCollection(nn.Module):
                 raise ValueError("placement is for table-wise sharding; row-wise spreads every table over all ranks")
             return {}
         placement = dict(placement or {name: i % self.world for i, name in enumerate(self.names)})
-        bad = {n: r for n, r in placement.items() if n not in self.options or not isinstance(r, int) or not 0 <= r < self.world}
+        bad = {
+            n: r
+            for n, r in placement.items()
+            if n not in self.options or not isinstance(r, int) or not 0 <= r < self.world
+        }
         if bad or set(placement) != set(self.names):
-            raise ValueError(f"invalid placement {placement!r}; accepted: every table name mapped to a rank in [0, {self.world})")
+            raise ValueError(
+                f"invalid placement {placement!r}; accepted: every table name mapped to a rank in [0, {self.world})"
+            )
         return placement
 
     def holds(self, name: str) -> bool:
@@ -108,13 +120,16 @@ class ShardedEmbeddingCollection(nn.Module):
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def rows(self, requests: Mapping[str, torch.Tensor], counts: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def rows(
+        self, requests: Mapping[str, torch.Tensor], counts: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Rows [n, dim] of unique keys per table, fetched from their owners in one exchange."""
         training = self.training and torch.is_grad_enabled()
         names = list(requests)
         keys_by_table = [check_keys(requests[n]).reshape(-1) for n in names]
         counts_by_table = [
-            (counts[n].reshape(-1).to(torch.int64) if counts and n in counts else torch.ones_like(k)) for n, k in zip(names, keys_by_table)
+            (counts[n].reshape(-1).to(torch.int64) if counts and n in counts else torch.ones_like(k))
+            for n, k in zip(names, keys_by_table)
         ]
         device = keys_by_table[0].device
         table_ids = torch.tensor([self.names.index(n) for n in names], device=device)
@@ -131,7 +146,9 @@ class ShardedEmbeddingCollection(nn.Module):
 
         # Owner side: look the received keys up in the local shards, in received order.
         dims = torch.tensor([self.dim(n) for n in self.names], device=device)
-        recv_table = torch.repeat_interleave(torch.arange(len(self.names), device=device).repeat(self.world), recv_matrix.reshape(-1))
+        recv_table = torch.repeat_interleave(
+            torch.arange(len(self.names), device=device).repeat(self.world), recv_matrix.reshape(-1)
+        )
         rows_out = self._gather_local(received, recv_table, dims)
         requested_splits, served_splits = (send_matrix * dims).sum(1).tolist(), (recv_matrix * dims).sum(1).tolist()
         back = self._all_to_all(rows_out, served_splits, requested_splits)

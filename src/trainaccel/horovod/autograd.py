@@ -19,8 +19,15 @@ from trainaccel.horovod.process_sets import ProcessSet, resolve
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float, post: float,
-                process_set: ProcessSet | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        process_set: ProcessSet | None,
+    ) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
         return synchronize(ops.allreduce_async(tensor, None, name, op, pre, post, process_set))
 
@@ -30,10 +37,16 @@ class _Allreduce(torch.autograd.Function):
         return allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post, process_set=process_set), *[None] * 5
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet | None = None) -> torch.Tensor:  # fmt: skip
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """The reduction of `tensor` over the workers (Average by default), as a new, differentiable tensor."""
     op = ops.resolve_op(average, op)
     compressed, ctx = compression.compress(tensor)
@@ -62,8 +75,9 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Proces
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
-                process_set: ProcessSet | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet | None
+    ) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
         return synchronize(ops.broadcast_async(tensor, root_rank, name, process_set))
 
@@ -75,16 +89,18 @@ class _Broadcast(torch.autograd.Function):
         return averaged, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet | None = None) -> torch.Tensor:  # fmt: skip
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
+) -> torch.Tensor:
     """The root's `tensor` on every worker, as a new, differentiable tensor."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
-                process_set: ProcessSet | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = synchronize(ops.alltoall_async(tensor, splits, name, process_set))
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
@@ -96,8 +112,12 @@ class _Alltoall(torch.autograd.Function):
         return returned, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None, name: str | None = None,
-             process_set: ProcessSet | None = None) -> Any:  # fmt: skip
+def alltoall(
+    tensor: torch.Tensor,
+    splits: torch.Tensor | list[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Any:
     """Rows of every worker's `tensor` addressed to this one, in rank order; with `splits`, also the counts received."""
     output, received = _Alltoall.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
@@ -105,8 +125,15 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = Non
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet | None,
-                pre: float, post: float) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        process_set: ProcessSet | None,
+        pre: float,
+        post: float,
+    ) -> torch.Tensor:
         ctx.args = (op, process_set, pre * post)
         return synchronize(ops.reducescatter_async(tensor, name, op, process_set, pre, post))
 
@@ -118,10 +145,15 @@ class _Reducescatter(torch.autograd.Function):
         return allgather(grad * factor if factor != 1.0 else grad, process_set=process_set), *[None] * 5
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None,
-                  compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | None = Average,
-                  process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:  # fmt: skip
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp | None = Average,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """This worker's share (rows split as evenly as possible, lower ranks first) of the reduction (differentiable)."""
     op = ops.resolve_op(None, op)
     compressed, ctx = compression.compress(tensor)

@@ -20,7 +20,9 @@ def init(comm: object = None, process_sets: Any = None) -> None:
     if comm is not None:
         from trainaccel.horovod.exceptions import UnsupportedOperation
 
-        raise UnsupportedOperation("init(comm=...) needs MPI, which trainaccel does not use; launch with trainaccel run")
+        raise UnsupportedOperation(
+            "init(comm=...) needs MPI, which trainaccel does not use; launch with trainaccel run"
+        )
     if process_sets is not None and process_sets != "dynamic" and not isinstance(process_sets, (list, tuple)):
         raise ValueError(f"invalid process_sets={process_sets!r}; accepted: a list of ProcessSets or 'dynamic'")
     import trainaccel

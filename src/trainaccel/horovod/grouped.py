@@ -29,9 +29,15 @@ def _named(name: str | None, suffix: object) -> str | None:
     return None if name is None else f"{name}.{suffix}"
 
 
-def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
+def grouped_allreduce_async_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     """Start reducing each tensor of a list in place; `synchronize` returns the list."""
     ops._claim(name)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -42,8 +48,16 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in positions])
         # The first buffer's descriptor carries how many follow, so workers that would issue
         # different numbers of collectives raise together instead of hanging.
-        handle = ops.allreduce_async_(flat, average, _named(name, dtype), op, prescale_factor, postscale_factor,
-                                      process_set, fused_buffers=len(by_dtype) if k == 0 else 1)  # fmt: skip
+        handle = ops.allreduce_async_(
+            flat,
+            average,
+            _named(name, dtype),
+            op,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            fused_buffers=len(by_dtype) if k == 0 else 1,
+        )
         fused.append((positions, flat, handle))
 
     def finish() -> list[torch.Tensor]:
@@ -59,38 +73,72 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
     return _group("grouped_allreduce", name, [h for _, _, h in fused], finish)
 
 
-def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     """Start reducing copies of the tensors; `synchronize` returns the results."""
     copies = [t.detach().clone() for t in tensors]
     return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet | None = None) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> list[torch.Tensor]:
     """Reduce each tensor in place and return the list."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, process_set: ProcessSet | None,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        process_set: ProcessSet | None,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, pre, post, process_set)
         return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, pre, post, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         op, pre, post, process_set = ctx.args
-        return None, None, None, None, None, *grouped_allreduce(list(grads), None, None, Compression.none, op, pre, post, process_set)
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            *grouped_allreduce(list(grads), None, None, Compression.none, op, pre, post, process_set),
+        )
 
 
-def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet | None = None) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> list[torch.Tensor]:
     """The reduction of each tensor of a list, as new, differentiable tensors."""
     op = ops.resolve_op(average, op)
     packed = [compression.compress(t) for t in tensors]
@@ -98,16 +146,21 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None, 
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
 
-def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
+def grouped_allgather_async(
+    tensors: list[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle:
     """Start gathering each tensor of a list; `synchronize` returns the list of results."""
     ops._claim(name)
-    return _group("grouped_allgather", name, [ops.allgather_async(t, _named(name, i), process_set) for i, t in enumerate(tensors)])
+    return _group(
+        "grouped_allgather", name, [ops.allgather_async(t, _named(name, i), process_set) for i, t in enumerate(tensors)]
+    )
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, process_set: ProcessSet | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, name: str | None, process_set: ProcessSet | None, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
         return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
 
@@ -119,26 +172,41 @@ class _GroupedAllgather(torch.autograd.Function):
         return None, None, *[g.narrow(0, int(o), n) for g, o, n in zip(averaged, before, ctx.rows)]
 
 
-def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet | None = None) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allgather(
+    tensors: list[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
+) -> list[torch.Tensor]:
     """Each tensor of a list gathered from every worker (differentiable)."""
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
-def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None, op: ReduceOp | None = Average,
-                                process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:  # fmt: skip
+def grouped_reducescatter_async(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    op: ReduceOp | None = Average,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
     """Start reduce-scattering each tensor of a list; `synchronize` returns this worker's shares."""
     ops._claim(name)
-    handles = [ops.reducescatter_async(t, _named(name, i), op, process_set, prescale_factor, postscale_factor)
-               for i, t in enumerate(tensors)]  # fmt: skip
+    handles = [
+        ops.reducescatter_async(t, _named(name, i), op, process_set, prescale_factor, postscale_factor)
+        for i, t in enumerate(tensors)
+    ]
     return _group("grouped_reducescatter", name, handles)
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, process_set: ProcessSet | None, pre: float, post: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        process_set: ProcessSet | None,
+        pre: float,
+        post: float,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, process_set, pre * post)
         return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)))
 
@@ -150,13 +218,19 @@ class _GroupedReducescatter(torch.autograd.Function):
         return None, None, None, None, None, *grouped_allgather([g * factor for g in grads], process_set=process_set)
 
 
-def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
-                          compression: type[Compressor] | Compressor = Compression.none, op: ReduceOp | None = Average,
-                          process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
+def grouped_reducescatter(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp | None = Average,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
     """This worker's share of the reduction of each tensor of a list (differentiable)."""
     op = ops.resolve_op(None, op)
     packed = [compression.compress(t) for t in tensors]
-    reduced = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *[p for p, _ in packed])
+    reduced = _GroupedReducescatter.apply(
+        name, op, process_set, prescale_factor, postscale_factor, *[p for p, _ in packed]
+    )
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
-

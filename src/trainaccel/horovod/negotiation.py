@@ -23,10 +23,28 @@ import torch.distributed as dist
 from trainaccel.comm.exchange import all_gather_single
 from trainaccel.horovod.process_sets import ProcessSet
 
-KINDS = {"allreduce": 1, "allgather": 2, "broadcast": 3, "alltoall": 4, "reducescatter": 5,
-         "barrier": 6, "object": 7, "join": 8}  # fmt: skip
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64, torch.bool]  # fmt: skip
+KINDS = {
+    "allreduce": 1,
+    "allgather": 2,
+    "broadcast": 3,
+    "alltoall": 4,
+    "reducescatter": 5,
+    "barrier": 6,
+    "object": 7,
+    "join": 8,
+}
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+]
 MAX_DIMS = 8
 OP_NAMES = ["Average", "Sum", "Adasum", "Min", "Max", "Product"]  # ReduceOp's values index this list
 _HEAD = 4  # kind, dtype, ndim, extra; the shape follows
@@ -48,9 +66,16 @@ _rounds = 0  # exchanges over the whole world so far: the same count on every wo
 class Operation:
     """One collective of this worker: its descriptor, and how to start it once every worker agrees."""
 
-    def __init__(self, kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0,
-                 among: ProcessSet | None = None, first_dim_may_differ: bool = False,
-                 start: Callable[[torch.Tensor], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        kind: str,
+        name: str | None,
+        tensor: torch.Tensor,
+        extra: int = 0,
+        among: ProcessSet | None = None,
+        first_dim_may_differ: bool = False,
+        start: Callable[[torch.Tensor], None] | None = None,
+    ):
         self.kind, self.name, self.among = kind, name, among
         self.descriptor = describe(kind, tensor, extra, name)
         self.first_dim_may_differ = first_dim_may_differ
@@ -88,8 +113,9 @@ def describe(kind: str, tensor: torch.Tensor, extra: int = 0, name: str | None =
     if tensor.dtype not in DTYPES:
         raise ValueError(f"{kind}: dtype {tensor.dtype} is not supported; accepted: {', '.join(map(str, DTYPES))}")
     shape = list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim())
-    return torch.tensor([KINDS[kind], DTYPES.index(tensor.dtype), tensor.dim(), extra, *shape, name_key(name), 0, 0],
-                        dtype=torch.int64)  # fmt: skip
+    return torch.tensor(
+        [KINDS[kind], DTYPES.index(tensor.dtype), tensor.dim(), extra, *shape, name_key(name), 0, 0], dtype=torch.int64
+    )
 
 
 def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -102,8 +128,14 @@ def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     return everyone
 
 
-def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_may_differ: bool = False,
-             ranks: list[int] | None = None) -> str | None:  # fmt: skip
+def mismatch(
+    everyone: torch.Tensor,
+    rows: list[int],
+    label: str,
+    *,
+    first_dim_may_differ: bool = False,
+    ranks: list[int] | None = None,
+) -> str | None:
     """The error the workers in `rows` raise for their descriptors, or None when they agree.
 
     `ranks` are the global ranks of the rows (a process set's members), for the message.
@@ -127,15 +159,23 @@ def mismatch(everyone: torch.Tensor, rows: list[int], label: str, *, first_dim_m
         return f"{label}: tensor {what} differ across ranks ({listing(_shape_text)})"
     if differs(slice(3, 4)):
         if kind == "allreduce" and len({int(d) % _OPS for d in sub[:, 3]}) == 1:
-            return f"{label}: grouped tensors' dtypes differ across ranks ({listing(lambda d: f'{int(d[3]) // _OPS} dtypes')})"
+            counts = listing(lambda d: f"{int(d[3]) // _OPS} dtypes")
+            return f"{label}: grouped tensors' dtypes differ across ranks ({counts})"
         if kind == "broadcast":
             return f"{label}: root ranks differ across ranks ({listing(lambda d: f'root {int(d[3])}')})"
         return f"{label}: reduction ops differ across ranks ({listing(lambda d: OP_NAMES[int(d[3]) % _OPS])})"
     return None
 
 
-def negotiate(kind: str, name: str | None, tensor: torch.Tensor, extra: int = 0, *, among: ProcessSet | None = None,
-              first_dim_may_differ: bool = False) -> torch.Tensor:  # fmt: skip
+def negotiate(
+    kind: str,
+    name: str | None,
+    tensor: torch.Tensor,
+    extra: int = 0,
+    *,
+    among: ProcessSet | None = None,
+    first_dim_may_differ: bool = False,
+) -> torch.Tensor:
     """Exchange descriptors among a process set (all workers by default); raise on every one if they disagree."""
     everyone = _settle(Operation(kind, name, tensor, extra, among, first_dim_may_differ), parkable=False)
     assert everyone is not None
@@ -184,8 +224,14 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
         ready = _ready(everyone, parked)
         if ready:
             # Every worker has this name parked or is calling it: it starts now, everywhere.
-            chosen = torch.stack([everyone[r] if int(everyone[r, NAME]) == ready else
-                                  next(d for d in parked[r] if int(d[NAME]) == ready) for r in rows])  # fmt: skip
+            chosen = torch.stack(
+                [
+                    everyone[r]
+                    if int(everyone[r, NAME]) == ready
+                    else next(d for d in parked[r] if int(d[NAME]) == ready)
+                    for r in rows
+                ]
+            )
             me = dist.get_rank(group)
             theirs = None if int(everyone[me, NAME]) == ready else next(w for w in waiting if name_key(w.name) == ready)
             first_dim = (theirs or op).first_dim_may_differ
@@ -217,12 +263,14 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
                 waiting.append(op)
                 return None
             continue  # the parking workers go on to their next operation, which this one meets
-        raise RuntimeError(mismatch(everyone, rows, op.label, ranks=ranks)
-                           or f"{op.label}: ranks called differently named operations")  # fmt: skip
+        raise RuntimeError(
+            mismatch(everyone, rows, op.label, ranks=ranks) or f"{op.label}: ranks called differently named operations"
+        )
 
 
-def _parked_descriptors(everyone: torch.Tensor, waiting: list[Operation],
-                        group: dist.ProcessGroup | None) -> list[list[torch.Tensor]]:  # fmt: skip
+def _parked_descriptors(
+    everyone: torch.Tensor, waiting: list[Operation], group: dist.ProcessGroup | None
+) -> list[list[torch.Tensor]]:
     """Each worker's parked operations' descriptors; a second exchange, only while some worker has any."""
     most = int(everyone[:, PARKED].max())
     if most == 0:
@@ -275,8 +323,13 @@ def join(device: torch.device) -> int:
         dist.all_reduce(identity(op, shape, dtype).to(device), op=TORCH_OPS[op])
 
 
-TORCH_OPS = {"Average": dist.ReduceOp.SUM, "Sum": dist.ReduceOp.SUM, "Min": dist.ReduceOp.MIN,
-             "Max": dist.ReduceOp.MAX, "Product": dist.ReduceOp.PRODUCT}  # fmt: skip
+TORCH_OPS = {
+    "Average": dist.ReduceOp.SUM,
+    "Sum": dist.ReduceOp.SUM,
+    "Min": dist.ReduceOp.MIN,
+    "Max": dist.ReduceOp.MAX,
+    "Product": dist.ReduceOp.PRODUCT,
+}
 
 
 def identity(op: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:

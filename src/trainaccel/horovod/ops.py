@@ -34,8 +34,13 @@ class ReduceOp(enum.IntEnum):
 
 
 Average, Sum, Adasum, Min, Max, Product = (
-    ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product,
-)  # fmt: skip
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Adasum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
 
 
 class Handle:
@@ -82,9 +87,16 @@ def synchronize(handle: Handle) -> Any:
             del _in_flight[handle.name]
 
 
-def _submit(kind: str, name: str | None, tensor: torch.Tensor, extra: int, ps: ProcessSet,
-            launch: Callable[[torch.Tensor], tuple[Any, Callable[[], Any]]], *,
-            first_dim_may_differ: bool = False) -> Handle:  # fmt: skip
+def _submit(
+    kind: str,
+    name: str | None,
+    tensor: torch.Tensor,
+    extra: int,
+    ps: ProcessSet,
+    launch: Callable[[torch.Tensor], tuple[Any, Callable[[], Any]]],
+    *,
+    first_dim_may_differ: bool = False,
+) -> Handle:
     """Negotiate an operation and start it with `launch(descriptors)` -> (work, finish), now or once unparked."""
     handle = Handle(name or f"{kind}.noname.{next(_auto_names)}", None, None)
 
@@ -146,9 +158,17 @@ def _summable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.int32) if tensor.dtype == torch.int16 else tensor
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet | None = None, *, fused_buffers: int = 1) -> Handle:  # fmt: skip
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    *,
+    fused_buffers: int = 1,
+) -> Handle:
     """Start reducing `tensor` in place across the workers of `process_set` (all by default)."""
     ps = _begin(name, process_set)
     op = resolve_op(average, op)
@@ -173,16 +193,28 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     return _submit("allreduce", name, tensor, negotiation.pack_op(int(op), fused_buffers), ps, launch)
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     """Start reducing a copy of `tensor`; `synchronize` returns the result."""
     return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: ReduceOp | None = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet | None = None) -> torch.Tensor:  # fmt: skip
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """Reduce `tensor` in place and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
@@ -210,8 +242,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     return _submit("allgather", name, tensor, 0, ps, launch, first_dim_may_differ=True)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle:
     """Start overwriting `tensor` in place with the root's (`root_rank` is a global rank)."""
     ps = _begin(name, process_set)
     if root_rank not in ps.ranks:
@@ -223,36 +256,49 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _submit("broadcast", name, tensor, root_rank, ps, launch)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle:
     """Start broadcasting into a copy of `tensor`; `synchronize` returns it."""
     return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet | None = None) -> torch.Tensor:  # fmt: skip
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
+) -> torch.Tensor:
     """Overwrite `tensor` in place with the root's and return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None, name: str | None = None,
-                   process_set: ProcessSet | None = None) -> Handle:  # fmt: skip
-    """Start sending `splits[j]` rows of `tensor` to the j-th worker; `synchronize` returns (output, received_splits)."""
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: torch.Tensor | list[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle:
+    """Start sending `splits[j]` rows of `tensor` to worker j; `synchronize` returns (output, received_splits)."""
     ps = _begin(name, process_set)
     world = ps.size() or 1
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension")
     if splits is None:
         if tensor.shape[0] % world:
-            raise ValueError(f"alltoall without splits needs the first dimension ({tensor.shape[0]}) divisible by the set's size ({world})")
+            raise ValueError(
+                f"alltoall without splits needs the first dimension ({tensor.shape[0]}) "
+                f"divisible by the set's size ({world})"
+            )
         send = [tensor.shape[0] // world] * world
     else:
         if torch.is_tensor(splits) and (splits.is_floating_point() or splits.dim() != 1):
-            raise ValueError(f"invalid splits of dtype {splits.dtype} and shape {tuple(splits.shape)}; accepted: a 1-D integer tensor or list")
+            raise ValueError(
+                f"invalid splits of dtype {splits.dtype} and shape {tuple(splits.shape)}; "
+                "accepted: a 1-D integer tensor or list"
+            )
         send = [int(x) for x in (splits.tolist() if torch.is_tensor(splits) else splits)]
         if len(send) != world or any(x < 0 for x in send) or sum(send) != tensor.shape[0]:
             raise ValueError(
-                f"invalid splits={send}; accepted: {world} non-negative counts that add up to the first dimension ({tensor.shape[0]})"
+                f"invalid splits={send}; accepted: {world} non-negative counts "
+                f"that add up to the first dimension ({tensor.shape[0]})"
             )
 
     def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
@@ -260,16 +306,22 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | list[int] | None
         dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=ps.group)
         counts = [int(x) for x in received]
         output = tensor.new_empty((sum(counts), *tensor.shape[1:]))
-        work = dist.all_to_all_single(_moved(output), _moved(tensor.detach().contiguous()), counts, send,
-                                      group=ps.group, async_op=True)  # fmt: skip
+        work = dist.all_to_all_single(
+            _moved(output), _moved(tensor.detach().contiguous()), counts, send, group=ps.group, async_op=True
+        )
         return work, lambda: (output, received.to(torch.int32))
 
     return _submit("alltoall", name, tensor, 0, ps, launch, first_dim_may_differ=True)
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                        process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:  # fmt: skip
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
     """Start reducing `tensor` across workers; this worker keeps its share of the first dimension."""
     ps = _begin(name, process_set)
     op = resolve_op(None, op)
@@ -303,8 +355,9 @@ def share_rows(rows: int, world: int) -> list[int]:
     return [rows // world + (1 if r < rows % world else 0) for r in range(world)]
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                           process_set: ProcessSet | None = None) -> Callable[[], torch.Tensor]:  # fmt: skip
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None, process_set: ProcessSet | None = None
+) -> Callable[[], torch.Tensor]:
     """Start reducing a sparse COO tensor by gathering indices and values; call the result to wait."""
     op = resolve_op(None, op)
     if op not in (Average, Sum):
@@ -341,7 +394,9 @@ def join(device: int = -1) -> int:
     return negotiation.join(torch.device("cpu") if device < 0 else torch.device("cuda", device))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> Any:
     """The root's `obj` on every worker (pickled, as in Horovod)."""
     ps = _begin(name, process_set)
     if root_rank not in ps.ranks:

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainaccel.horovod.basics import _check
 from trainaccel.comm.exchange import exchange
-from trainaccel.horovod import negotiation
+from trainaccel.horovod import negotiation, ops
+from trainaccel.horovod.basics import _check
 from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
-from trainaccel.horovod import ops
 from trainaccel.horovod.ops import Adasum, Average, ReduceOp, Sum, broadcast_, broadcast_object
 from trainaccel.horovod.process_sets import ProcessSet, resolve
 
@@ -37,15 +36,20 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet | 
         if any(not (isinstance(i, tuple) and len(i) == 2) for i in items):
             raise ValueError("broadcast_parameters needs a state_dict or a list of (name, tensor) pairs")
     else:
-        raise ValueError(f"invalid params of type {type(params).__name__}; accepted: a dict or a list of (name, tensor)")
+        raise ValueError(
+            f"invalid params of type {type(params).__name__}; accepted: a dict or a list of (name, tensor)"
+        )
     with torch.no_grad():
         for name, tensor in items:
             if torch.is_tensor(tensor):
-                broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, str(name), process_set)
+                broadcast_(
+                    tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, str(name), process_set
+                )
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
-                              process_set: ProcessSet | None = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None, process_set: ProcessSet | None = None
+) -> None:
     """Give every rank the root's optimizer state and hyperparameters (any torch.optim optimizer).
 
     `model` tells which parameters are sparse embeddings, for a fresh optimizer's zero gradients.
@@ -65,14 +69,17 @@ def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: Any) -> None:
     """Horovod's side effect on a fresh optimizer: a zero `.grad` on each trainable parameter without one."""
     sparse_params = set()
     if model is not None:
-        sparse_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
-                         for p in m.parameters()}  # fmt: skip
+        sparse_params = {
+            id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()
+        }
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and p.grad is None:
                 grad = torch.zeros_like(p, memory_format=torch.preserve_format)
                 # A dense zero would make the first sparse gradient accumulate into a dense one.
-                if isinstance(optimizer, torch.optim.SparseAdam) or (isinstance(optimizer, torch.optim.SGD) and id(p) in sparse_params):
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse_params
+                ):
                     grad = grad.to_sparse()
                 p.grad = grad
 
@@ -100,8 +107,14 @@ class _DistributedOptimizer:
             raise ValueError(f"invalid op={op!r}; accepted: Average, Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"invalid backward_passes_per_step={backward_passes_per_step!r}; accepted: an integer >= 1")
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1
+        ):
+            raise ValueError(
+                f"invalid backward_passes_per_step={backward_passes_per_step!r}; accepted: an integer >= 1"
+            )
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         names = self._names(named_parameters, params)
         self._compression, self._op, self._predivide = compression, op, gradient_predivide_factor
@@ -116,15 +129,21 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._skip_synchronize = False
         # A worker outside the optimizer's process set trains on its own gradients.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params] if self._process_set else []
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params] if self._process_set else []
+        )
 
     @staticmethod
-    def _names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: list[torch.Tensor]) -> dict[int, str]:
+    def _names(
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: list[torch.Tensor]
+    ) -> dict[int, str]:
         if named_parameters is None:
             return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
         pairs = list(named_parameters)
         if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually model.named_parameters()")
+            raise ValueError(
+                "named_parameters should be a sequence of tuples (name, parameter), usually model.named_parameters()"
+            )
         seen: set[str] = set()
         duplicates = sorted({name for name, _ in pairs if name in seen or seen.add(name)})  # type: ignore[func-returns-value]
         if duplicates:
@@ -133,11 +152,15 @@ class _DistributedOptimizer:
         missing = [p for p in params if id(p) not in by_id]
         if missing:
             shapes = ", ".join(str(tuple(p.shape)) for p in missing[:5])
-            raise ValueError(f"named_parameters was given, but {len(missing)} optimizer parameter(s) are not in it (shapes {shapes})")
+            raise ValueError(
+                f"named_parameters was given, but {len(missing)} optimizer parameter(s) are not in it (shapes {shapes})"
+            )
         return by_id
 
     @staticmethod
-    def _make_buckets(params: list[torch.Tensor], num_groups: int, groups: list[list[torch.Tensor]] | None) -> list[list[torch.Tensor]]:
+    def _make_buckets(
+        params: list[torch.Tensor], num_groups: int, groups: list[list[torch.Tensor]] | None
+    ) -> list[list[torch.Tensor]]:
         if groups is not None:
             if num_groups:
                 raise ValueError("pass either groups or num_groups, not both")
@@ -165,7 +188,9 @@ class _DistributedOptimizer:
         bucket = self._bucket_of[id(p)]
         self._ready[bucket].add(id(p))
         self._synchronized = False
-        while self._next_bucket < len(self._buckets) and len(self._ready[self._next_bucket]) == len(self._buckets[self._next_bucket]):
+        while self._next_bucket < len(self._buckets) and len(self._ready[self._next_bucket]) == len(
+            self._buckets[self._next_bucket]
+        ):
             self._launch(self._next_bucket)
 
     def _launch(self, index: int) -> None:
@@ -253,8 +278,10 @@ class _DistributedOptimizer:
         if not self._skip_synchronize:
             if self._synchronized and self._process_set is not None:
                 warnings.warn(
-                    "optimizer.step() called without optimizer.skip_synchronize() context after "
-                    "optimizer.synchronize(); wrap step() in `with optimizer.skip_synchronize():` to say it is intended"
+                    "optimizer.step() called without the optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(); "
+                    "wrap step() in `with optimizer.skip_synchronize():` to say it is intended",
+                    stacklevel=2,
                 )
             self.synchronize()
         self._synchronized = False
@@ -262,7 +289,10 @@ class _DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._next_bucket:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or optimizer.synchronize()")
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() "
+                "but before optimizer.step() or optimizer.synchronize()"
+            )
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
 
 
@@ -283,6 +313,15 @@ def DistributedOptimizer(
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hyperparameters
-    wrapped._setup(named_parameters, compression, backward_passes_per_step, ReduceOp(op),
-                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)  # fmt: skip
+    wrapped._setup(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        ReduceOp(op),
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
     return wrapped

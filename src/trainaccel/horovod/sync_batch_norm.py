@@ -17,8 +17,15 @@ class SyncBatchNorm(_BatchNorm):
     Ranks' batch sizes may differ, even be empty; gradients are those of one BatchNorm over the joined batch.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_set: process_sets.ProcessSet | None = None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: process_sets.ProcessSet | None = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set  # None: all workers
 
@@ -32,7 +39,8 @@ class SyncBatchNorm(_BatchNorm):
         """Normalize with the process set's batch statistics in training, with the running ones in eval."""
         self._check_input_dim(input)
         if not self.training and self.running_mean is not None:
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                                training=False, eps=self.eps)
+            return F.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias, training=False, eps=self.eps
+            )
         group = process_sets.resolve(self.process_set).group if dist.is_available() and dist.is_initialized() else None
         return gathered_batch_norm(self, input, running_stats_factor(self), group)

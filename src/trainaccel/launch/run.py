@@ -72,7 +72,13 @@ def script_argv(args: argparse.Namespace) -> list[str]:
     """What torchrun runs in each worker: the bootstrap, which calls init() then the script."""
     if args.no_python:
         return [args.training_script, *args.training_script_args]
-    return ["-m", BOOTSTRAP_MODULE, *(["--module"] if args.module else []), args.training_script, *args.training_script_args]
+    return [
+        "-m",
+        BOOTSTRAP_MODULE,
+        *(["--module"] if args.module else []),
+        args.training_script,
+        *args.training_script_args,
+    ]
 
 
 def trainaccel_env(args: argparse.Namespace) -> dict[str, str]:

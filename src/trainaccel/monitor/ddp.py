@@ -74,8 +74,9 @@ def watch_steps(ddp_model: DistributedDataParallel, config: Config, comm_wait: C
     detector = None
     if config.straggler_every:
         device = next((p.device for p in ddp_model.parameters()), None)
-        detector = StragglerDetector(config.straggler_every, config.straggler_threshold,
-                                     process_group=ddp_model.process_group, device=device)  # fmt: skip
+        detector = StragglerDetector(
+            config.straggler_every, config.straggler_threshold, process_group=ddp_model.process_group, device=device
+        )
         ddp_model.trainaccel_stragglers = detector
     clock: dict[str, Any] = {"entered": 0.0, "step_start": None, "steps": 0}
 

@@ -58,12 +58,20 @@ class StragglerReport:
 class StragglerDetector:
     """Call `step()` at the end of each training step; wrap waits for peers in `waiting()` (collective checks)."""
 
-    def __init__(self, every: int = 100, threshold: float = 0.2, *, process_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        every: int = 100,
+        threshold: float = 0.2,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"invalid every {every!r}; accepted: an integer >= 1 (steps between checks)")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-            raise ValueError(f"invalid threshold {threshold!r}; accepted: a number > 0 (0.2: 20% slower than the median)")
+            raise ValueError(
+                f"invalid threshold {threshold!r}; accepted: a number > 0 (0.2: 20% slower than the median)"
+            )
         self.every, self.threshold, self.group = every, float(threshold), process_group
         self.device = torch.device(device) if device is not None else None
         self.reports: list[StragglerReport] = []  # every check so far, on every rank
@@ -125,8 +133,12 @@ class StragglerDetector:
         report = StragglerReport(self.steps, tuple(times), slow)
         self.reports.append(report)
         if _rank(self.group) == 0:
-            log.debug("straggler check at step %d: own work per step by rank: %s ms (median %.1f ms)", self.steps,
-                      ", ".join(f"{t * 1e3:.1f}" for t in times), median * 1e3)  # fmt: skip
+            log.debug(
+                "straggler check at step %d: own work per step by rank: %s ms (median %.1f ms)",
+                self.steps,
+                ", ".join(f"{t * 1e3:.1f}" for t in times),
+                median * 1e3,
+            )
             for straggler in slow:
                 log.warning("straggler at step %d: %s", self.steps, straggler.describe())
         return report

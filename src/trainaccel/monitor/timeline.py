@@ -41,9 +41,14 @@ class Timeline:
     def span(self, name: str, start: float, end: float, track: str, category: str = "comm", **args: Any) -> None:
         """Record `name` from `start` to `end` on `track` (thread-safe; written at the next flush)."""
         event = {
-            "name": name, "cat": category, "ph": "X", "pid": self.pid, "tid": self._track(track),
-            "ts": round((start - self._origin) * 1e6, 3), "dur": round(max(0.0, end - start) * 1e6, 3),
-        }  # fmt: skip
+            "name": name,
+            "cat": category,
+            "ph": "X",
+            "pid": self.pid,
+            "tid": self._track(track),
+            "ts": round((start - self._origin) * 1e6, 3),
+            "dur": round(max(0.0, end - start) * 1e6, 3),
+        }
         if args:
             event["args"] = args
         self._add(event)
@@ -77,9 +82,17 @@ class Timeline:
                 if name not in self._tracks:
                     tid = self._tracks[name] = len(self._tracks) + 1
                     # Tracks sort by this index: steps first, then buckets in order of first use.
-                    self._pending.append({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": name}})
                     self._pending.append(
-                        {"name": "thread_sort_index", "ph": "M", "pid": self.pid, "tid": tid, "args": {"sort_index": tid}}
+                        {"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid, "args": {"name": name}}
+                    )
+                    self._pending.append(
+                        {
+                            "name": "thread_sort_index",
+                            "ph": "M",
+                            "pid": self.pid,
+                            "tid": tid,
+                            "args": {"sort_index": tid},
+                        }
                     )
                 tid = self._tracks[name]
         return tid

@@ -29,8 +29,10 @@ log = logging.getLogger("trainaccel")
 T = TypeVar("T")
 
 # Frames of these files are where a collective fails when a peer is gone.
-_COMM_PATHS = tuple(os.path.join(*parts) + os.sep for parts in
-                    [("torch", "distributed"), ("trainaccel", "horovod"), ("trainaccel", "comm")])  # fmt: skip
+_COMM_PATHS = tuple(
+    os.path.join(*parts) + os.sep
+    for parts in [("torch", "distributed"), ("trainaccel", "horovod"), ("trainaccel", "comm")]
+)
 
 
 def run(func: Callable[..., T]) -> Callable[..., T]:
@@ -48,8 +50,10 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> T:
         if not isinstance(state, State):
-            raise TypeError(f"the first argument of {name} must be an hvd.elastic State (TorchState or "
-                            f"ObjectState), got {type(state).__name__}: {state!r:.80}")  # fmt: skip
+            raise TypeError(
+                f"the first argument of {name} must be an hvd.elastic State (TorchState or "
+                f"ObjectState), got {type(state).__name__}: {state!r:.80}"
+            )
         _check()
         try:
             _resume(state)
@@ -82,8 +86,13 @@ def _resume(state: State) -> None:
     finally:
         state._root = 0
     if newest and rank() == 0:
-        log.info("hvd.elastic: resumed from commit %d (world size %d -> %d, state from rank %d)",
-                 newest, committed_size, size(), root)  # fmt: skip
+        log.info(
+            "hvd.elastic: resumed from commit %d (world size %d -> %d, state from rank %d)",
+            newest,
+            committed_size,
+            size(),
+            root,
+        )
 
 
 def _finish(state: State) -> None:
@@ -102,8 +111,11 @@ def _check_signature(func: Callable[..., Any], name: str) -> None:
         parameters = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return  # a builtin or extension: nothing to check
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                  inspect.Parameter.VAR_POSITIONAL)  # fmt: skip
+    positional = (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+    )
     if not parameters or parameters[0].kind not in positional:
         raise TypeError(f"hvd.elastic.run: {name} must take the state as its first positional argument")
 
@@ -134,7 +146,8 @@ def _restart_line(state: State, error: BaseException) -> str:
     if restarts is None:
         return f"{what}; nothing restarts this worker outside torchrun, so the job ends at {point}"
     if int(count) < int(restarts):
-        return f"{what}; torchrun will restart all workers (restart {int(count) + 1} of {restarts}) and resume from {point}"
+        again = f"restart {int(count) + 1} of {restarts}"
+        return f"{what}; torchrun will restart all workers ({again}) and resume from {point}"
     folder = state_dir()
     again = f"; a relaunch with TRAINACCEL_ELASTIC_DIR={folder} resumes from it" if folder and state._commits else ""
     return f"{what}; no restarts left (--max-restarts {restarts}), so the job ends at {point}{again}"

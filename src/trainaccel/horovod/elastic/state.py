@@ -175,8 +175,9 @@ class ObjectState(State):
 class TorchState(ObjectState):
     """State of a PyTorch job: models, optimizers and ElasticSamplers (through their state_dict), and plain values."""
 
-    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 **kwargs: Any):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any
+    ):
         kwargs.update(model=model, optimizer=optimizer)
         _check_names(type(self), kwargs)
         tracked = {name: value for name, value in kwargs.items() if isinstance(value, _TRACKED)}
@@ -191,7 +192,9 @@ class TorchState(ObjectState):
         tracked = self.__dict__.get("_tracked")
         if tracked is not None and name in tracked:
             if not isinstance(value, _TRACKED):
-                raise TypeError(f"state.{name} must stay a module, optimizer or ElasticSampler, got {type(value).__name__}")
+                raise TypeError(
+                    f"state.{name} must stay a module, optimizer or ElasticSampler, got {type(value).__name__}"
+                )
             tracked[name] = value
             self._copies[name] = copy.deepcopy(value.state_dict())
         object.__setattr__(self, name, value)
@@ -230,8 +233,10 @@ class TorchState(ObjectState):
 
     def _load(self, payload: dict[str, Any]) -> None:
         if set(payload["tracked"]) != set(self._tracked):
-            raise ValueError(f"the commit file holds state for {sorted(payload['tracked'])}, but this TorchState "
-                             f"tracks {sorted(self._tracked)}; delete {self._file} to start afresh")  # fmt: skip
+            raise ValueError(
+                f"the commit file holds state for {sorted(payload['tracked'])}, but this TorchState "
+                f"tracks {sorted(self._tracked)}; delete {self._file} to start afresh"
+            )
         self._copies = payload["tracked"]
         super()._load(payload)
 
@@ -239,5 +244,6 @@ class TorchState(ObjectState):
 def _check_names(cls: type, values: dict[str, Any]) -> None:
     bad = sorted(name for name in values if name.startswith("_") or hasattr(cls, name))
     if bad:
-        raise ValueError(f"invalid state attribute name(s) {bad}: a name must not start with '_' "
-                         f"or be a method of {cls.__name__}")  # fmt: skip
+        raise ValueError(
+            f"invalid state attribute name(s) {bad}: a name must not start with '_' or be a method of {cls.__name__}"
+        )
