@@ -131,9 +131,9 @@ def decoder_timings(samples: list[bytes], size: tuple[int, int], repeats: int) -
 
     Each decodes to its own output (a PIL image, a NumPy array); a PIL image costs more to make a tensor of.
     """
-    from trainaccel.data.decode import _decode_jpeg, _decode_pillow
+    from trainaccel.data.decode import decode_jpeg, decode_pillow
 
-    decoders = {"pillow": lambda data, at: _decode_pillow(data, "pil", at), "simplejpeg": _decode_jpeg}
+    decoders = {"pillow": lambda data, at: decode_pillow(data, "pil", at), "simplejpeg": decode_jpeg}
     timings: dict[str, dict[str, float]] = {}
     for name, decode in decoders.items():
         for label, at in (("full", None), (f"{size[0]}x{size[1]}", size)):

@@ -33,9 +33,9 @@ def decode_image(encoded: bytes, output: str = "tensor", size: tuple[int, int] |
     """
     if output not in DECODE_OUTPUTS:
         raise ValueError(f"invalid output={output!r}; accepted: {', '.join(DECODE_OUTPUTS)}")
-    pixels = _decode_jpeg(encoded, size) if encoded[:3] == _JPEG_MAGIC else None
+    pixels = decode_jpeg(encoded, size) if encoded[:3] == _JPEG_MAGIC else None
     if pixels is None:
-        return _decode_pillow(encoded, output, size)
+        return decode_pillow(encoded, output, size)
     if output == "pil":
         from PIL import Image
 
@@ -43,7 +43,7 @@ def decode_image(encoded: bytes, output: str = "tensor", size: tuple[int, int] |
     return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
-def _decode_jpeg(encoded: bytes, size: tuple[int, int] | None) -> np.ndarray | None:
+def decode_jpeg(encoded: bytes, size: tuple[int, int] | None) -> np.ndarray | None:
     """HWC uint8 RGB through simplejpeg, or None where it cannot (not installed, damaged data) so Pillow decodes."""
     try:
         import simplejpeg
@@ -60,7 +60,8 @@ def _decode_jpeg(encoded: bytes, size: tuple[int, int] | None) -> np.ndarray | N
         return None
 
 
-def _decode_pillow(encoded: bytes, output: str, size: tuple[int, int] | None) -> Any:
+def decode_pillow(encoded: bytes, output: str, size: tuple[int, int] | None) -> Any:
+    """RGB image through Pillow: a PIL image or a uint8 CHW tensor; `size` scales JPEGs down while decoding."""
     from PIL import Image
 
     image = Image.open(io.BytesIO(encoded))

@@ -14,9 +14,7 @@ from trainaccel.horovod.basics import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
-    is_initialized,
     local_rank,
     local_size,
     mpi_built,
@@ -25,7 +23,6 @@ from trainaccel.horovod.basics import (
     nccl_built,
     rank,
     rocm_built,
-    shutdown,
     size,
 )
 from trainaccel.horovod.compression import Compression
@@ -40,6 +37,7 @@ from trainaccel.horovod.grouped import (
     grouped_reducescatter,
     grouped_reducescatter_async,
 )
+from trainaccel.horovod.lifecycle import init, is_initialized, shutdown
 from trainaccel.horovod.ops import (
     Adasum,
     Average,

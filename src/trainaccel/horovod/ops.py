@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.exchange import all_gather_single
 from trainaccel.horovod import negotiation
-from trainaccel.horovod.basics import _check
+from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.exceptions import UnsupportedOperation
 from trainaccel.horovod.process_sets import ProcessSet, resolve
 
@@ -121,7 +121,7 @@ def _claim(name: str | None) -> None:
 
 
 def _begin(name: str | None, process_set: ProcessSet | None) -> ProcessSet:
-    _check()
+    check_initialized()
     ps = resolve(process_set)
     _claim(name)
     return ps
@@ -388,7 +388,7 @@ def join(device: int = -1) -> int:
 
     `device` is the CUDA device of the tensors the others reduce (-1: CPU), as in Horovod.
     """
-    _check()
+    check_initialized()
     if isinstance(device, bool) or not isinstance(device, int) or device < -1:
         raise ValueError(f"invalid device={device!r}; accepted: -1 (CPU) or a CUDA device index")
     return negotiation.join(torch.device("cpu") if device < 0 else torch.device("cuda", device))

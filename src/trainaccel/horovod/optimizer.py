@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.exchange import exchange
 from trainaccel.horovod import negotiation, ops
-from trainaccel.horovod.basics import _check
+from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
 from trainaccel.horovod.ops import Adasum, Average, ReduceOp, Sum, broadcast_, broadcast_object
 from trainaccel.horovod.process_sets import ProcessSet, resolve
@@ -28,7 +28,7 @@ BUCKET_BYTES = 25 * 2**20
 
 def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet | None = None) -> None:
     """Overwrite parameters (a `state_dict()` or `named_parameters()`) with the root's, in place."""
-    _check()
+    check_initialized()
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, Iterable):
@@ -54,7 +54,7 @@ def broadcast_optimizer_state(
 
     `model` tells which parameters are sparse embeddings, for a fresh optimizer's zero gradients.
     """
-    _check()
+    check_initialized()
     if not optimizer.state:
         # Horovod leaves zero gradients on a fresh optimizer (from the zero-gradient step it takes
         # to create the state); scripts may read them. No step here: a step would apply weight
@@ -99,7 +99,7 @@ class _DistributedOptimizer:
         sparse_as_dense: bool,
         process_set: ProcessSet | None,
     ) -> None:
-        _check()
+        check_initialized()
         self._process_set = resolve(process_set) if process_set is None or process_set.included() else None
         if op == Adasum:
             raise ValueError("op=Adasum is not supported; accepted: Average, Sum")

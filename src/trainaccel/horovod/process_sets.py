@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from trainaccel.horovod.basics import _check
+from trainaccel.horovod.basics import check_initialized
 
 
 class ProcessSet:
@@ -47,7 +47,7 @@ _registered: dict[int, ProcessSet] = {}
 _ids = itertools.count(1)
 
 
-def _reset() -> None:
+def reset() -> None:
     """Forget every set (at init and shutdown); the global set takes the current world."""
     global _ids
     for ps in _registered.values():
@@ -59,7 +59,7 @@ def _reset() -> None:
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a set on every worker (all must call it, in the same order) and return it."""
-    _check()
+    check_initialized()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     world = dist.get_world_size()
     if not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) or not 0 <= ps.ranks[0] <= ps.ranks[-1] < world:
@@ -76,7 +76,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a set (every worker calls it); False for the global set or one not registered."""
-    _check()
+    check_initialized()
     if process_set.process_set_id in (None, 0) or process_set.process_set_id not in _registered:
         return False
     del _registered[process_set.process_set_id]

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from trainaccel.horovod.basics import _check, rank, size
+from trainaccel.horovod.basics import check_initialized, rank, size
 from trainaccel.horovod.elastic.sampler import ElasticSampler
 from trainaccel.horovod.elastic.state import ObjectState, State, TorchState, state_dir
 from trainaccel.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -54,7 +54,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 f"the first argument of {name} must be an hvd.elastic State (TorchState or "
                 f"ObjectState), got {type(state).__name__}: {state!r:.80}"
             )
-        _check()
+        check_initialized()
         try:
             _resume(state)
             result = func(state, *args, **kwargs)
