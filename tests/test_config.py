@@ -1,6 +1,6 @@
 import pytest
 
-from trainaccel.config import Config, ConfigError
+from trainaccel.config import Config, ConfigError, env_setting
 
 
 def test_defaults():
@@ -139,6 +139,24 @@ def test_unknown_keyword_is_a_type_error():
 def test_unknown_env_names_are_reported():
     env = {"TRAINACCEL_COMPRESION": "fp16", "TRAINACCEL_NAN_CHECK": "warn", "OTHER": "1"}
     assert Config.unknown_env(env) == ["TRAINACCEL_COMPRESION"]
+
+
+def test_unknown_env_knows_settings_that_are_not_options():
+    env = {"TRAINACCEL_ELASTIC_DIR": "/tmp/commits", "TRAINACCEL_COMPRESION": "fp16"}
+    assert Config.unknown_env(env) == ["TRAINACCEL_COMPRESION"]
+    assert env_setting("elastic_dir", env) == "/tmp/commits"
+    assert env_setting("elastic_dir", {"TRAINACCEL_ELASTIC_DIR": ""}) is None
+    with pytest.raises(KeyError, match="elastic_dri"):
+        env_setting("elastic_dri", env)
+
+
+def test_to_env_of_some_options():
+    c = Config.resolve(env={}, compression="bf16", bucket_mb=4)
+    assert c.to_env(["compression", "timeline"]) == {"TRAINACCEL_COMPRESSION": "bf16", "TRAINACCEL_TIMELINE": ""}
+    assert c.to_env([]) == {}
+    assert c.to_env() == c.to_env(Config.option_names())
+    with pytest.raises(TypeError, match="compresion"):
+        c.to_env(["compresion"])
 
 
 def test_to_env_round_trips():

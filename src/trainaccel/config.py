@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 ENV_PREFIX = "TRAINACCEL_"
+# TRAINACCEL_* variables that are not options (no keyword, no flag), by lower-case name: what each does.
+# Read each through `env_setting()`; `Config.unknown_env()` knows them, so they are not reported as typos.
+ENV_SETTINGS: dict[str, str] = {
+    "elastic_dir": "folder of hvd.elastic's commit files (default: one per torchrun job in the temp dir); "
+    "a relaunch with the same folder resumes from the newest commit",
+}
 
 
 class ConfigError(ValueError):
@@ -323,17 +329,27 @@ class Config:
 
     @classmethod
     def unknown_env(cls, env: Mapping[str, str] | None = None) -> list[str]:
-        """TRAINACCEL_* variables that name no option (likely typos)."""
+        """TRAINACCEL_* variables that name neither an option nor a setting in ENV_SETTINGS (likely typos)."""
         env = os.environ if env is None else env
-        known = {cls.env_name(n) for n in cls.option_names()}
+        known = {cls.env_name(n) for n in [*cls.option_names(), *ENV_SETTINGS]}
         return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
-    def to_env(self) -> dict[str, str]:
-        """The TRAINACCEL_* variables that reproduce this config in another process."""
-        return {
-            self.env_name(name): "" if value is None else str(value) for name, value in dataclasses.asdict(self).items()
-        }
+    def to_env(self, options: Iterable[str] | None = None) -> dict[str, str]:
+        """The TRAINACCEL_* variables that reproduce this config (or only `options` of it) in another process."""
+        values = dataclasses.asdict(self)
+        names = list(values) if options is None else list(options)
+        unknown = set(names) - set(values)
+        if unknown:
+            raise TypeError(f"unknown trainaccel option(s) {sorted(unknown)}; known: {', '.join(values)}")
+        return {self.env_name(name): "" if values[name] is None else str(values[name]) for name in names}
 
     def describe(self) -> str:
         """One line, e.g. `compression=fp16 hierarchical=auto ...`."""
         return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+def env_setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The TRAINACCEL_<NAME> variable of a setting in ENV_SETTINGS; None where unset or empty."""
+    if name not in ENV_SETTINGS:
+        raise KeyError(f"unknown trainaccel setting {name!r}; known: {', '.join(ENV_SETTINGS)}")
+    return (os.environ if env is None else env).get(Config.env_name(name)) or None

@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from trainaccel.launch.run import TORCHRUN, LaunchError, script_argv, torchrun_flags
+from trainaccel.launch.torchrun import TORCHRUN, LaunchError, script_argv, torchrun_flags
 
 SSH = ["ssh", "-o", "BatchMode=yes"]
 DEFAULT_MASTER_PORT = 29500

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainaccel.launch.run import TORCHRUN
+from trainaccel.config import ENV_PREFIX
+from trainaccel.launch.torchrun import TORCHRUN
 
 __all__ = ["TORCHRUN", "TRAINACCEL_RUN", "plain_env", "run_job", "run_together"]
 TRAINACCEL_RUN = [sys.executable, "-m", "trainaccel.launch"]
@@ -18,7 +19,7 @@ TRAINACCEL_RUN = [sys.executable, "-m", "trainaccel.launch"]
 
 def plain_env() -> dict[str, str]:
     """This environment without TRAINACCEL_* variables: what a plain torchrun baseline should see."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
 
 
 def run_job(name: str, command: list[str], out: Path, env: dict[str, str] | None = None) -> dict:

@@ -7,18 +7,11 @@ import logging
 import os
 import shlex
 import sys
-from typing import Any
 
-from trainaccel.config import Config, ConfigError
+from trainaccel.config import ENV_PREFIX, Config, ConfigError
+from trainaccel.launch.torchrun import TORCHRUN, LaunchError, script_argv, torchrun_flags
 
 log = logging.getLogger("trainaccel")
-
-BOOTSTRAP_MODULE = "trainaccel.launch.bootstrap"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-class LaunchError(ValueError):
-    """A launcher argument that cannot work; the message is one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "trainaccel run"
     parser.description = (
         "Start a distributed training script with trainaccel's acceleration, unchanged. "
-        "Takes every torchrun flag; trainaccel options may also come from TRAINACCEL_<OPTION> env."
+        f"Takes every torchrun flag; trainaccel options may also come from {ENV_PREFIX}<OPTION> env."
     )
     Config.add_arguments(parser.add_argument_group("trainaccel options"))
     hosts = parser.add_argument_group("host lists (mpirun style)")
@@ -47,50 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def torchrun_flags(args: argparse.Namespace, **overrides: Any) -> list[str]:
-    """The torchrun flags that reproduce `args` (those differing from torchrun's defaults)."""
-    from torch.distributed.run import get_args_parser
-
-    values = {**vars(args), **overrides}
-    argv: list[str] = []
-    for action in get_args_parser()._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        value = values.get(action.dest, action.default)
-        if value == action.default and action.dest not in overrides:
-            continue
-        if action.nargs == 0:
-            if value:
-                argv.append(action.option_strings[0])
-        elif value is not None:
-            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            argv += [action.option_strings[0], text]
-    return argv
-
-
-def script_argv(args: argparse.Namespace) -> list[str]:
-    """What torchrun runs in each worker: the bootstrap, which calls init() then the script."""
-    if args.no_python:
-        return [args.training_script, *args.training_script_args]
-    return [
-        "-m",
-        BOOTSTRAP_MODULE,
-        *(["--module"] if args.module else []),
-        args.training_script,
-        *args.training_script_args,
-    ]
-
-
 def trainaccel_env(args: argparse.Namespace) -> dict[str, str]:
     """Validate the options (flags over env) and return the TRAINACCEL_* env that carries them."""
     flags = Config.flags_from(args)
     config = Config.resolve(flags=flags)
-    env = {k: v for k, v in os.environ.items() if k.startswith("TRAINACCEL_")}
-    for name, raw in flags.items():
-        if raw is not None:
-            value = getattr(config, name)
-            env[Config.env_name(name)] = "" if value is None else str(value)
-    return env
+    # The environment's own TRAINACCEL_* variables travel unchanged; a flag replaces its option's variable.
+    inherited = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    return {**inherited, **config.to_env(name for name, raw in flags.items() if raw is not None)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trainaccel.config import env_setting
 from trainaccel.horovod.basics import local_rank, size
 from trainaccel.horovod.elastic.sampler import ElasticSampler
 from trainaccel.horovod.ops import broadcast_object
@@ -38,7 +39,7 @@ def state_dir() -> Path | None:
 
     None without a launcher: nothing would restart the process, so commits stay in memory.
     """
-    explicit = os.environ.get("TRAINACCEL_ELASTIC_DIR")
+    explicit = env_setting("elastic_dir")
     if explicit:
         return Path(explicit)
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
