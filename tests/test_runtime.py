@@ -3,7 +3,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import trainaccel
 from trainaccel import runtime
-from trainaccel.comm import unpatch_ddp
 
 
 @pytest.fixture
@@ -15,9 +14,8 @@ def clean(monkeypatch, trainaccel_messages):
             monkeypatch.delenv(name)
     original = DistributedDataParallel.__init__
     yield trainaccel_messages
-    unpatch_ddp()
-    runtime._config = None
-    assert DistributedDataParallel.__init__ is original
+    trainaccel.shutdown()
+    assert DistributedDataParallel.__init__ is original and runtime.current_config() is None
 
 
 def test_init_is_idempotent_and_logs_the_config_once(clean):

@@ -1,7 +1,7 @@
 """trainaccel: an open, PyTorch-native accelerator for distributed data-parallel training.
 
-Zero-code: `trainaccel run --nproc-per-node 8 train.py`. One line: `trainaccel.init()`.
-Importing this package is cheap and changes nothing; torch is loaded by `init()`.
+Zero-code: `trainaccel run --nproc-per-node 8 train.py`. One line: `trainaccel.init()`, undone by
+`trainaccel.shutdown()`. Importing this package is cheap and changes nothing; torch is loaded by `init()`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from trainaccel.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__", "compile", "convert_sync_batchnorm", "init"]
+__all__ = ["Config", "ConfigError", "__version__", "compile", "convert_sync_batchnorm", "init", "shutdown"]
 
 
 def init(*, start_process_group: bool = True, **options: Any) -> Config:
@@ -19,6 +19,13 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     from trainaccel.runtime import init as _init
 
     return _init(start_process_group=start_process_group, **options)
+
+
+def shutdown() -> None:
+    """Undo `init()`: torch as it was, the process group it started destroyed (see `trainaccel.runtime.shutdown`)."""
+    from trainaccel.runtime import shutdown as _shutdown
+
+    _shutdown()
 
 
 def compile(model: Any, preset: str = "default", **options: Any) -> Any:  # noqa: A001 - mirrors torch.compile

@@ -1,4 +1,5 @@
-"""`trainaccel.init()`: read the config, bring up the process group if needed, patch DDP."""
+"""`trainaccel.init()` / `trainaccel.shutdown()`: read the config, bring up the process group if needed, patch DDP;
+and undo all of it."""
 
 from __future__ import annotations
 
@@ -7,17 +8,12 @@ import os
 import sys
 from typing import Any
 
+from trainaccel import context
 from trainaccel.config import Config
+from trainaccel.context import current_config, log
 from trainaccel.environment import env_rank, is_distributed, map_mpi_env
 
-log = logging.getLogger("trainaccel")
-
-_config: Config | None = None
-
-
-def current_config() -> Config | None:
-    """The config set by the last `init()`, or None before it."""
-    return _config
+__all__ = ["current_config", "init", "shutdown"]
 
 
 def init(*, start_process_group: bool = True, **options: Any) -> Config:
@@ -26,8 +22,8 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     Idempotent: a repeated call with the same options changes nothing. With
     `start_process_group`, the default process group is started (env://) when the
     environment describes a distributed job and the script has not started one yet.
+    `shutdown()` undoes it all.
     """
-    global _config
     mapped = map_mpi_env()
     config = Config.resolve(**options)
     _configure_logging(config.log_level)
@@ -40,19 +36,27 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
 
     from trainaccel.comm.patch import patch_ddp
 
+    previous = current_config()
     patch_ddp(config)
-    if config != _config:
-        _config = config
-        if _rank() == 0:
+    if config != previous:
+        if context.rank() == 0:
             log.info("trainaccel config: %s", config.describe())
             for name in Config.unknown_env():
                 log.warning("ignoring %s: not a trainaccel option (known: %s)", name, ", ".join(Config.option_names()))
     return config
 
 
+def shutdown() -> None:
+    """The inverse of `init()`: every patch of torch undone, the process group `init()` started destroyed.
+
+    Models built before keep DDP's communication hook (DDP cannot unregister one) and lose the rest.
+    """
+    context.undo_all()
+
+
 def _explain_uncaught_failures() -> None:
-    """A collective failure that ends the script also says which peers were missing (once installed)."""
-    if getattr(sys.excepthook, "_trainaccel", False):
+    """A collective failure that ends the script also says which peers were missing (once, until shutdown)."""
+    if not context.first_time("excepthook"):
         return
     previous = sys.excepthook
 
@@ -62,26 +66,24 @@ def _explain_uncaught_failures() -> None:
         annotate(error)
         previous(kind, error, tb)
 
-    excepthook._trainaccel = True  # type: ignore[attr-defined]
-    sys.excepthook = excepthook
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return env_rank()
+    context.patch(sys, "excepthook", excepthook)
 
 
 def _configure_logging(level: str) -> None:
-    log.setLevel(level.upper())
-    if not any(getattr(h, "_trainaccel", False) for h in log.handlers):
+    if context.first_time("logging"):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(f"[trainaccel rank {env_rank()}] %(levelname)s %(message)s"))
-        handler._trainaccel = True  # type: ignore[attr-defined]
+        before = log.level, log.propagate
+
+        def restore() -> None:
+            log.removeHandler(handler)
+            log.setLevel(before[0])
+            log.propagate = before[1]
+
         log.addHandler(handler)
         log.propagate = False
+        context.on_undo("trainaccel logging", restore)
+    log.setLevel(level.upper())
 
 
 _incarnation = 0  # process groups started by this process so far
@@ -119,4 +121,13 @@ def _start_process_group(mapped: dict[str, str]) -> None:
         store = dist.PrefixStore(f"trainaccel/restart{restart}/incarnation{_incarnation}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     _incarnation += 1
+    context.on_undo("process group", _destroy_process_group)
     log.debug("started process group %s: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+
+
+def _destroy_process_group() -> None:
+    """The default group `init()` started (a group the script started is the script's to end)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -12,9 +12,7 @@ from torch.optim import lr_scheduler
 
 import trainaccel
 import trainaccel.amp
-from trainaccel import context, runtime
-from trainaccel.amp import ddp as amp_ddp
-from trainaccel.comm import unpatch_ddp
+from trainaccel import context
 
 
 @pytest.fixture
@@ -26,10 +24,8 @@ def one_worker(tmp_path, monkeypatch):
     originals = _patchable()
     yield
     dist.destroy_process_group()
-    unpatch_ddp()
-    amp_ddp.reset()
-    runtime._config = None
-    assert _patchable() == originals  # reset() undid every patch
+    trainaccel.shutdown()
+    assert _patchable() == originals  # shutdown() undid every patch
 
 
 def _patchable() -> dict[str, object]:
@@ -279,7 +275,7 @@ def test_reset_restores_every_function_it_patched(one_worker):
         ),
     }
     assert torch.nn.utils.clip_grad_norm_ is clip_grad.clip_grad_norm_  # one wrapper, wherever it is reached
-    amp_ddp.reset()
+    trainaccel.shutdown()
     assert _patchable() == originals
     assert torch.nn.utils.clip_grad_norm_ is clip_grad_norm_
     assert vars(lr_scheduler.LRScheduler)["step"].__qualname__ == "LRScheduler.step"

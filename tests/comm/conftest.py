@@ -3,8 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-import trainaccel.comm as comm
-from trainaccel.comm import failfast
+import trainaccel
 
 
 @pytest.fixture(scope="module")
@@ -13,6 +12,5 @@ def one_process_group(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
-    failfast.stop_heartbeat()
-    comm.unpatch_ddp()  # and the optimizer-step hook that register() installs
+    trainaccel.shutdown()  # the heartbeat and the optimizer-step hooks that register() installs
     dist.destroy_process_group()

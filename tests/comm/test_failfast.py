@@ -76,11 +76,12 @@ def test_timeouts_apply_to_groups_created_without_one():
 
     from torch.distributed import distributed_c10d
 
-    from trainaccel.comm.failfast import restore_collective_timeout, set_collective_timeout
+    import trainaccel
+    from trainaccel.comm.failfast import set_collective_timeout
 
     set_collective_timeout(12.5)
     try:
         assert distributed_c10d._get_default_timeout("gloo") == timedelta(seconds=12.5)
     finally:
-        restore_collective_timeout()
+        trainaccel.shutdown()
     assert distributed_c10d._get_default_timeout("gloo") == timedelta(minutes=30)

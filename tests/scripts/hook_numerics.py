@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainaccel
-from trainaccel.comm import comm_state, register, unpatch_ddp
+from trainaccel.comm import comm_state, register
 
 N = 1000
 
@@ -86,7 +86,7 @@ auto(inputs(rank)).backward()
 own = DDP(Weights())
 own.register_comm_hook(None, default_hooks.allreduce_hook)
 own(inputs(rank)).backward()
-unpatch_ddp()
+trainaccel.shutdown()
 plain = DDP(Weights())
 plain(inputs(rank)).backward()
 found["hooks"] = {

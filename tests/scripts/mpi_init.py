@@ -28,7 +28,7 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
             "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
             "allreduce_sum": summed.item(),
             "comm_hook": model._get_ddp_logging_data().get("comm_hook"),
-            "trainaccel": getattr(model, "trainaccel_state", None) is not None,
+            "trainaccel": getattr(getattr(model, "trainaccel", None), "comm", None) is not None,
             "backend": dist.get_backend(),
         },
         f,

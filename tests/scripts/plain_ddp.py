@@ -42,8 +42,9 @@ for step in range(args.steps):
     optimizer.step()
     losses.append(loss.item())
 
-state = getattr(model, "trainaccel_state", None)
-amp = getattr(model, "trainaccel_amp", None)
+observer = getattr(model, "trainaccel", None)
+state = observer.comm if observer is not None else None
+amp = observer.amp if observer is not None else None
 scaler = getattr(optimizer, "trainaccel_scaler", None)
 result = {
     "rank": rank,

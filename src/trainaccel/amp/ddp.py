@@ -12,19 +12,19 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
+from trainaccel import context
 from trainaccel.amp.policy import PrecisionPolicy, zero_code_policy
 from trainaccel.config import Config
 from trainaccel.context import info_once, is_rank_zero, warn_once
+from trainaccel.observer import StepObserver, watch_backward, watch_optimizer_steps
 
 log = logging.getLogger("trainaccel")
 
@@ -58,8 +58,6 @@ class _Observed:
     # scheduler -> its optimizer's (steps, skipped) when the scheduler last advanced
     advanced: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     found_inf: torch.Tensor | None = None  # what GradScaler handed a fused optimizer's step
-    hooks: list[Any] = field(default_factory=list)  # handles of the global optimizer hooks
-    patches: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, name, original) to restore
 
     @property
     def step(self) -> int:
@@ -78,7 +76,7 @@ _observed = _Observed()
 
 @dataclass
 class AmpState:
-    """Zero-code AMP on one DDP model: `model.trainaccel_amp`."""
+    """Zero-code AMP on one DDP model: `model.trainaccel.amp`."""
 
     dtype: torch.dtype
     device_type: str
@@ -86,6 +84,7 @@ class AmpState:
     forwards: int = 0
     autocast_forwards: int = 0
     decided_at: int | None = None  # the step the policy last decided at
+    enabled: bool = True  # this forward runs under autocast (decided before it)
 
     def decide(self, training: bool) -> bool:
         if self.policy is None:
@@ -103,12 +102,13 @@ class AmpState:
         return self.policy.decision
 
 
-def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState | None:
-    """Run `ddp_model`'s forward under autocast as `config` says; its floating outputs come back float32."""
-    device_type = next(ddp_model.parameters()).device.type
+def enable_amp(observer: StepObserver, config: Config) -> AmpState | None:
+    """Run the model's forward under autocast as `config` says; its floating outputs come back float32."""
+    model = observer.model()
+    device_type = next(model.parameters()).device.type
     dtype = autocast_dtype(config.amp, device_type)
-    if dtype is None or hasattr(ddp_model, "trainaccel_amp"):
-        return getattr(ddp_model, "trainaccel_amp", None)
+    if dtype is None or observer.amp is not None:
+        return observer.amp
     policy = None if config.amp_policy == "always" else zero_code_policy(config.amp_policy)
     state = AmpState(dtype, device_type, policy)
     if device_type == "cpu" and not native_cpu_support(dtype):
@@ -118,29 +118,29 @@ def enable_amp(ddp_model: DistributedDataParallel, config: Config) -> AmpState |
         )
     if policy is not None:
         _observe_training_loop()
-    forward = ddp_model.forward
-    before_forward = _before_forward
-    if config.compile == "on" or "torch._dynamo" in sys.modules:
-        # Untraced: the step and the policy's memory change every step, and a compiled frame would
-        # be specialised (and recompiled) on them; only the bool goes in. Importing TorchDynamo
-        # just for this would slow every start, so runs that do not compile skip it.
-        before_forward = torch.compiler.disable(_before_forward)
+    forward = model.forward
 
     @functools.wraps(forward)
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        enabled = before_forward(state, ddp_model.training)
+        # Decided by the observer's pre-hook, outside any compiled graph: only the bool comes in here.
+        enabled = state.enabled
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             output = forward(*args, **kwargs)
         # The loss is computed outside the model, where autocast would have run it in float32.
         return tree_map(_to_float32, output) if enabled else output
 
-    ddp_model.forward = autocast_forward
-    ddp_model.trainaccel_amp = state
+    model.forward = autocast_forward
+    observer.on_detach(functools.partial(vars(model).pop, "forward", None))
+    observer.subscribe("step_begin", functools.partial(_before_forward, state, True))
+    observer.subscribe("eval", functools.partial(_before_forward, state, None))
+    observer.amp = state
     return state
 
 
-def _before_forward(state: AmpState, training: bool) -> bool:
+def _before_forward(state: AmpState, training: bool | None, observer: StepObserver, args: tuple, kwargs: dict) -> None:
     """Bookkeeping before a forward: the deferred scaler update, the decision, the fp16 check."""
+    if training is None:  # an eval event: in eval mode, or in training mode with gradients off
+        training = observer.model().training
     _observed.update_scaler()
     enabled = state.decide(training)
     if enabled and state.dtype == torch.float16 and _observed.scaler is None and training and torch.is_grad_enabled():
@@ -150,7 +150,7 @@ def _before_forward(state: AmpState, training: bool) -> bool:
         )
     state.forwards += 1
     state.autocast_forwards += enabled
-    return enabled
+    state.enabled = enabled
 
 
 def native_cpu_support(dtype: torch.dtype) -> bool:
@@ -174,9 +174,7 @@ def scaled(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
     device, so a script can keep the line under any `--amp`. Call it before training; the
     optimizer keeps its identity (schedulers and checkpoints see the same object).
     """
-    from trainaccel.runtime import current_config
-
-    config = current_config()
+    config = context.current_config()
     device_type = next((p.device.type for g in optimizer.param_groups for p in g["params"]), "cpu")
     if config is None or autocast_dtype(config.amp, device_type) != torch.float16:
         return optimizer
@@ -220,48 +218,57 @@ def scaled(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
     del step.__wrapped__  # its signature is not the bound original's
     optimizer.step = types.MethodType(step, optimizer)
     optimizer.trainaccel_scaler = _observed.scaler
+    context.on_undo("amp.scaled optimizer", functools.partial(_unscaled, weakref.ref(optimizer), step))
     return optimizer
+
+
+def _unscaled(ref: weakref.ref, step: Any) -> None:
+    """Undo `scaled` on an optimizer still alive: its own step again, no scaler."""
+    optimizer = ref()
+    if optimizer is None:
+        return
+    vars(optimizer).pop("trainaccel_scaler", None)
+    # A scheduler built afterwards wrapped our step in its own: that one stays, and ours, inside it,
+    # steps plainly once nothing is scaled (as after shutdown()).
+    if getattr(vars(optimizer).get("step"), "__func__", None) is step:
+        del vars(optimizer)["step"]
 
 
 def _observe_training_loop() -> None:
     """Count optimizer steps, note the learning rate and the loss (and scale it under `scaled`); once."""
-    if _observed.hooks:
+    if not context.first_time("amp observation"):
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before_step(optimizer: torch.optim.Optimizer) -> None:
         if _observed.scaled and not _observed.in_scaler_step:
             raise RuntimeError(
                 f"the gradients are loss-scaled (amp=fp16) but this {type(optimizer).__name__} would step on them "
                 "unscaled: pass every optimizer to trainaccel.amp.scaled() before training"
             )
 
-    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_step(optimizer: torch.optim.Optimizer) -> None:
         _observed.steps[optimizer] = _observed.steps.get(optimizer, 0) + 1
         _observed.lr = float(optimizer.param_groups[0]["lr"])
 
-    original_backward = torch.Tensor.backward
+    def before_backward(loss: torch.Tensor) -> torch.Tensor:
+        _observed.loss = loss.detach()
+        if _observed.scaler is None:
+            return loss
+        _observed.update_scaler()
+        _observed.scaled = True
+        return _observed.scaler.scale(loss)
 
-    @functools.wraps(original_backward)
-    def backward(self: torch.Tensor, gradient: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
-        if gradient is None and self.numel() == 1:
-            _observed.loss = self.detach()
-            if _observed.scaler is not None:
-                _observed.update_scaler()
-                _observed.scaled = True
-                self = _observed.scaler.scale(self)
-        return original_backward(self, gradient, *args, **kwargs)
-
-    _patch(torch.Tensor, "backward", backward)
+    watch_optimizer_steps(before_step, after_step)
+    watch_backward(before_backward)
     _patch_clipping()
     _patch_schedulers()
-    _observed.hooks = [register_optimizer_step_pre_hook(before_step), register_optimizer_step_post_hook(after_step)]
+    context.on_undo("amp observations", _forget)
 
 
-def _patch(owner: Any, name: str, new: Any) -> None:
-    """Set `owner.name` to `new`, remembering the original for `reset()`."""
-    _observed.patches.append((owner, name, vars(owner)[name]))
-    setattr(owner, name, new)
+def _forget() -> None:
+    """A fresh start for what AMP observed (at `shutdown()`)."""
+    global _observed
+    _observed = _Observed()
 
 
 def _patch_clipping() -> None:
@@ -285,7 +292,7 @@ def _patch_clipping() -> None:
     for module in (torch.nn.utils, clip_grad):
         for name, value in list(vars(module).items()):
             if id(value) in wrappers:
-                _patch(module, name, wrappers[id(value)])
+                context.patch(module, name, wrappers[id(value)])
 
 
 def _unscaling(clip: Any, takes_grads: bool) -> Any:
@@ -351,7 +358,7 @@ def _patch_schedulers() -> None:
     # those do not call LRScheduler.step.
     for cls in list(vars(lr_scheduler).values()):
         if isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler) and "step" in vars(cls):
-            _patch(cls, "step", _in_step_with_optimizer(vars(cls)["step"]))
+            context.patch(cls, "step", _in_step_with_optimizer(vars(cls)["step"]))
 
 
 def _in_step_with_optimizer(original_step: Any) -> Any:
@@ -376,13 +383,3 @@ def _in_step_with_optimizer(original_step: Any) -> Any:
         return original_step(self, *args, **kwargs)
 
     return step
-
-
-def reset() -> None:
-    """Forget every observation and undo every patch and global hook (tests, and a fresh `init()` in one process)."""
-    global _observed
-    for handle in _observed.hooks:
-        handle.remove()
-    for owner, name, original in reversed(_observed.patches):
-        setattr(owner, name, original)
-    _observed = _Observed()

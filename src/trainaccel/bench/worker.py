@@ -120,6 +120,7 @@ def main() -> None:
 
     if rank == 0:
         timed = args.steps - args.warmup
+        amp = getattr(getattr(model, "trainaccel", None), "amp", None)
         result = {
             "arm": args.arm,
             "world_size": world,
@@ -130,7 +131,7 @@ def main() -> None:
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),
             "final_loss": loss.item(),
-            "amp": str(model.trainaccel_amp.dtype).removeprefix("torch.") if hasattr(model, "trainaccel_amp") else None,
+            "amp": str(amp.dtype).removeprefix("torch.") if amp is not None else None,
             "compiled": is_compiled(model),
         }
         with open(args.out, "w") as f:

@@ -4,7 +4,7 @@ from trainaccel.comm.checkpoint import load_state_dict, state_dict
 from trainaccel.comm.codecs import CastCompression, Codec, ErrorFeedback, NoCompression, RandomK, TopK, get_codec
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.local_steps import LocalSteps
-from trainaccel.comm.patch import build_state, bytes_per_step, bytes_sent, comm_state, patch_ddp, register, unpatch_ddp
+from trainaccel.comm.patch import build_state, bytes_per_step, bytes_sent, comm_state, patch_ddp, register
 from trainaccel.comm.topology import Topology, discover
 
 __all__ = [
@@ -28,5 +28,4 @@ __all__ = [
     "register",
     "state_dict",
     "trainaccel_comm_hook",
-    "unpatch_ddp",
 ]

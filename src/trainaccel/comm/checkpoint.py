@@ -25,10 +25,12 @@ from trainaccel.comm.autotune import Autotuner
 from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split_key
 from trainaccel.comm.hooks import CommState
 from trainaccel.context import warn_once
+from trainaccel.observer import StepObserver, observer_of
 
 FORMAT = 1
 METADATA_KEY = "trainaccel_comm"  # in the metadata of the DDP model's module, next to torch's "version"
-_PENDING = "_trainaccel_comm_loaded"  # on a module: engine state loaded before its hook was registered
+# module (the DDP model's, or one not wrapped yet) -> engine state loaded before the hook was registered
+_pending: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
@@ -36,9 +38,9 @@ def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
 
     Tensors are the live ones, as in a model's `state_dict()`: save or copy it before training on.
     """
-    state = getattr(ddp_model, "trainaccel_state", None)
+    state = _comm(ddp_model)
     if state is None:
-        return dict(getattr(_module(ddp_model), _PENDING, None) or {})  # loaded, not applied yet: kept as it came
+        return dict(_pending.get(_module(ddp_model)) or {})  # loaded, not applied yet: kept as it came
     if getattr(state, "builtin", False):
         return {}
     header = {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
@@ -57,9 +59,9 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
         return
     if saved.get("format") != FORMAT:
         raise ValueError(f"trainaccel.comm state of format {saved.get('format')!r}; this version reads format {FORMAT}")
-    state = getattr(ddp_model, "trainaccel_state", None)
+    state = _comm(ddp_model)
     if state is None:
-        setattr(_module(ddp_model), _PENDING, saved)
+        _pending[_module(ddp_model)] = saved
         return
     local = _local_part_applies(saved)
     if isinstance(state, Autotuner):
@@ -81,28 +83,28 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
         _load_comm_state(state, saved, local)
 
 
-def apply_pending(ddp_model: torch.nn.Module) -> None:
-    """Restore engine state loaded into the model before its hook existed (call once the hook is registered)."""
-    saved = _module(ddp_model).__dict__.pop(_PENDING, None)
-    if saved:
-        load_state_dict(ddp_model, saved)
-
-
-def attach(ddp_model: torch.nn.Module) -> None:
-    """Let the model's own `state_dict()` carry the engine's state (idempotent)."""
-    module = _module(ddp_model)
-    if getattr(module, "_trainaccel_comm_saver", None) is not None:
-        return
-    ref = weakref.ref(ddp_model)
-    module._trainaccel_ddp = ref  # a load into the module reaches the engine state of the DDP model around it
-
-    def save(module: torch.nn.Module, destination: dict, prefix: str, local_metadata: dict) -> None:
-        model = ref()
-        saved = state_dict(model) if model is not None else {}
+def attach(observer: StepObserver) -> None:
+    """The model's own `state_dict()` carries the engine's state (idempotent); state loaded before the hook
+    existed is restored once it does (call again after registering it)."""
+    model = observer.model()
+    if _save not in observer.subscribers("state_dict"):
+        observer.subscribe("state_dict", _save)
+    if observer.comm is not None:
+        saved = _pending.pop(_module(model), None)
         if saved:
-            local_metadata[METADATA_KEY] = saved
+            load_state_dict(model, saved)
 
-    module._trainaccel_comm_saver = module.register_state_dict_post_hook(save)
+
+def _save(observer: StepObserver, destination: dict, prefix: str, local_metadata: dict) -> None:
+    model = observer.model()
+    saved = state_dict(model) if model is not None else {}
+    if saved:
+        local_metadata[METADATA_KEY] = saved
+
+
+def _comm(model: torch.nn.Module) -> Any:
+    observer = observer_of(model)
+    return observer.comm if observer is not None else None
 
 
 def restoring_load_state_dict(original: Any) -> Any:
@@ -130,8 +132,8 @@ def _module(model: torch.nn.Module) -> torch.nn.Module:
 
 def _ddp_of(module: torch.nn.Module) -> torch.nn.Module:
     """The DDP model wrapping `module` if it already has engine state, else `module` (restored when wrapped)."""
-    owner = getattr(module, "_trainaccel_ddp", None)
-    owner = owner() if owner is not None else None
+    observer = observer_of(module)
+    owner = observer.model() if observer is not None else None
     return owner if owner is not None else module
 
 

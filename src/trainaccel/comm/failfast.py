@@ -15,41 +15,38 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from trainaccel import context
 from trainaccel.environment import worker_place
+from trainaccel.observer import process_step
 
 log = logging.getLogger("trainaccel")
 
 HEARTBEAT_S = 2.0
 _PREFIX = "trainaccel/heartbeat/"
 
-_torch_default_timeout = distributed_c10d._get_default_timeout
 _heartbeat: Heartbeat | None = None
-steps = 0  # training forwards of DDP models with trainaccel's hook in this process (what heartbeats report)
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """Process groups created from now on without an explicit timeout get `seconds` (any backend)."""
+    """Process groups created from now on without an explicit timeout get `seconds` (any backend), until shutdown."""
 
     def default_timeout(backend: object) -> timedelta:
         return timedelta(seconds=seconds)
 
     # torch reads its default through this function for init_process_group, new_group and the rest.
-    distributed_c10d._get_default_timeout = default_timeout
-
-
-def restore_collective_timeout() -> None:
-    """Back to torch's own defaults for groups created from now on."""
-    distributed_c10d._get_default_timeout = _torch_default_timeout
+    if context.first_time("collective timeout"):
+        context.patch(distributed_c10d, "_get_default_timeout", default_timeout)
+    else:  # a later init(): the first patch still holds torch's own function for shutdown() to restore
+        distributed_c10d._get_default_timeout = default_timeout
 
 
 class Heartbeat:
     """A daemon thread writing this worker's time, host, local rank and step to the store."""
 
-    def __init__(self, progress: Callable[[], int] = lambda: steps, interval_s: float = HEARTBEAT_S):
+    def __init__(self, progress: Callable[[], int] = process_step, interval_s: float = HEARTBEAT_S):
         self.rank, self.world = dist.get_rank(), dist.group.WORLD
         self._store = distributed_c10d._get_default_store().clone()  # its own connection: no lock with the main thread
         self._progress, self._interval = progress, interval_s
@@ -77,19 +74,14 @@ class Heartbeat:
         self._thread.join(timeout=2 * self._interval)
 
 
-def count_step(module: torch.nn.Module, args: tuple) -> None:
-    """A forward pre-hook counting training steps for the heartbeat."""
-    global steps
-    if module.training and torch.is_grad_enabled():
-        steps += 1
-
-
 def start_heartbeat() -> None:
     """Start this process's heartbeat for the current default group (call after it is up); idempotent."""
     global _heartbeat
     if not dist.is_initialized() or (_heartbeat is not None and _heartbeat.world is dist.group.WORLD):
         return
     stop_heartbeat()  # an earlier group's (elastic jobs start new ones)
+    if context.first_time("heartbeat"):
+        context.on_undo("heartbeat", stop_heartbeat)
     try:
         _heartbeat = Heartbeat()
     except Exception as e:  # a store without clone or writes: training goes on, failures are not explained

@@ -59,7 +59,7 @@ class CommState:
     steps: int = 0  # steps whose last bucket this hook has seen
     fallbacks: int = 0  # lossy exchanges that were not finite and were redone exactly
     skipped_steps: int = 0  # steps whose gradients the script did not apply: residuals dropped after them
-    optimizer_steps_at_last_step: int = -1  # `_optimizer_steps` when the last step's first bucket came
+    optimizer_steps_at_last_step: int | None = -1  # the observer's optimizer steps at the last step's first bucket
     steps_at_start: int = 0  # `steps` when this process began (restored from a checkpoint, or 0)
     # Per-bucket state follows the parameters a bucket holds (see `trainaccel.comm.buckets`).
     signatures: dict[int, Signature] = dataclasses.field(default_factory=dict)  # bucket index -> its parameters
@@ -72,6 +72,7 @@ class CommState:
     builtin: bool = False
     dense_bytes_per_step: int = 0  # what that allreduce sends per step
     comm_wait: CommWait | None = None  # measured for straggler detection
+    observer: Any = None  # the model's StepObserver: its optimizer steps tell a skipped step (set by `register`)
 
     @property
     def hierarchical(self) -> bool:
@@ -239,39 +240,16 @@ def _signature(state: CommState, bucket: dist.GradBucket) -> Signature:
     return tuple(index.setdefault(id(p), len(index)) for p in bucket.parameters())
 
 
-_optimizer_steps = 0  # optimizer steps taken in this process (torch's global step hook)
-_step_hook: Any = None
-
-
-def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def watch_optimizer_steps() -> None:
-    """Count every torch optimizer's steps from now on (idempotent; undone by `unwatch_optimizer_steps`)."""
-    global _step_hook
-    if _step_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def unwatch_optimizer_steps() -> None:
-    global _step_hook, _optimizer_steps
-    if _step_hook is not None:
-        _step_hook.remove()
-    _step_hook, _optimizer_steps = None, 0
-
-
 def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
     """If no optimizer stepped since the last step's exchange, that step's gradient was discarded by the script
     (a GradScaler or a loss-spike check): what its residuals kept of it must not reach later steps.
 
-    Off until some optimizer has stepped: an optimizer outside torch.optim would look like it never does.
+    Off until an optimizer has stepped on the model (one outside torch.optim would look like it never does),
+    and without an observer (a state built by hand, or a model detached by `shutdown()`).
     """
-    seen, state.optimizer_steps_at_last_step = state.optimizer_steps_at_last_step, _optimizer_steps
-    if _optimizer_steps == 0 or seen != _optimizer_steps or state.steps == state.steps_at_start:
+    now = state.observer.optimizer_steps if state.observer is not None else None
+    seen, state.optimizer_steps_at_last_step = state.optimizer_steps_at_last_step, now
+    if not now or seen != now or state.steps == state.steps_at_start:
         return
     state.skipped_steps += 1
     stores = bucket_stores(state)

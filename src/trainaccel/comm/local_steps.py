@@ -9,6 +9,10 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from trainaccel.config import Config
+from trainaccel.context import current_config
+from trainaccel.observer import observe
+
 
 class LocalSteps:
     """Wrap each forward+backward in `with steps:`; every `every`-th pass reduces and steps.
@@ -40,7 +44,7 @@ class LocalSteps:
         self.passes = 0
         self._in_pass = False
         self._no_sync: contextlib.AbstractContextManager | None = None
-        model._trainaccel_local_steps = self  # type: ignore[attr-defined]
+        observe(model).local_steps = self  # zero-code mode sees that the script holds reductions back
 
     @property
     def syncing(self) -> bool:
@@ -85,8 +89,5 @@ class LocalSteps:
 
 
 def _configured_local_steps() -> int:
-    from trainaccel.config import Config
-    from trainaccel.runtime import current_config
-
     config = current_config() or Config.resolve()
     return config.local_steps

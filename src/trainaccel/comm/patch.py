@@ -12,30 +12,24 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trainaccel import context
+from trainaccel.amp.ddp import enable_amp
 from trainaccel.comm import checkpoint, failfast
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
-from trainaccel.comm.hooks import (
-    CommState,
-    CommWait,
-    trainaccel_comm_hook,
-    unwatch_optimizer_steps,
-    watch_optimizer_steps,
-)
+from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook
 from trainaccel.comm.powersgd import powersgd_state
 from trainaccel.comm.scheduler import engine_group
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
 from trainaccel.monitor import timeline
+from trainaccel.monitor.ddp import attach_meter, watch_steps
+from trainaccel.observer import StepObserver, observe, observer_of
 
 log = logging.getLogger("trainaccel")
-
-_original_init = None
-_original_load_state_dict = None
-_config: Config | None = None
 
 
 def register(ddp_model: DistributedDataParallel, config: Config | None = None, **options: Any) -> CommState | Autotuner:
@@ -50,23 +44,23 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     elif options:
         config = dataclasses.replace(config, **options)
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
-    watch_optimizer_steps()
+    observer = observe(ddp_model, compiled=config.compile == "on")
     failfast.start_heartbeat()
-    ddp_model.register_forward_pre_hook(failfast.count_step)
     if config.timeline is not None:
         timeline.start(config.timeline, dist.get_rank())
     comm_wait = CommWait() if config.straggler_every else None
     if config.straggler_every or config.timeline is not None:
-        from trainaccel.monitor.ddp import watch_steps
-
-        watch_steps(ddp_model, config, comm_wait)
+        watch_steps(observer, config, comm_wait)
     if config.autotune == "on":
         tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait)
+        for candidate in tuner.candidates:
+            candidate.state.observer = observer
         ddp_model.register_comm_hook(tuner, autotune_comm_hook)
-        ddp_model.trainaccel_state = tuner
-        _keep_in_checkpoints(ddp_model)
+        observer.comm = tuner
+        checkpoint.attach(observer)
         return tuner
     state = build_state(ddp_model.process_group, config, param_names, comm_wait)
+    state.observer = observer
     if _nothing_to_add(state, config):
         # A Python hook costs a few percent over DDP's C++ allreduce; with nothing to add, use that.
         state.builtin = True
@@ -77,15 +71,9 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         guard_exit()  # Gloo's threads can still be finishing at exit: the same short wait as for our hook
     else:
         ddp_model.register_comm_hook(state, trainaccel_comm_hook)
-    ddp_model.trainaccel_state = state
-    _keep_in_checkpoints(ddp_model)
+    observer.comm = state
+    checkpoint.attach(observer)  # the model's state_dict() carries the engine's state; state loaded before applies
     return state
-
-
-def _keep_in_checkpoints(ddp_model: DistributedDataParallel) -> None:
-    """The model's state_dict() carries the engine's state from now on; state loaded before now is applied."""
-    checkpoint.attach(ddp_model)
-    checkpoint.apply_pending(ddp_model)
 
 
 def _nothing_to_add(state: CommState, config: Config) -> bool:
@@ -169,7 +157,8 @@ def build_state(
 
 def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:
     """The state of trainaccel's hook on this model, or None if it carries no trainaccel hook."""
-    return getattr(ddp_model, "trainaccel_state", None)
+    observer = observer_of(ddp_model)
+    return observer.comm if observer is not None else None
 
 
 def bytes_sent(ddp_model: DistributedDataParallel) -> int:
@@ -196,58 +185,52 @@ def bytes_per_step(ddp_model: DistributedDataParallel, sent_before: int | None =
 
 
 def patch_ddp(config: Config) -> None:
-    """Every DDP model constructed from now on gets trainaccel's hook for `config` (idempotent)."""
-    global _original_init, _original_load_state_dict, _config
-    _config = config
-    if _original_init is not None:
+    """Every DDP model constructed from now on gets trainaccel's hook for `config` (idempotent; undone by shutdown)."""
+    context.set_config(config)
+    if not context.first_time("DDP patch"):
         return
     # A checkpoint is often loaded into the module before DDP wraps it: keep its engine state for the wrap.
-    _original_load_state_dict = torch.nn.Module.load_state_dict
-    torch.nn.Module.load_state_dict = checkpoint.restoring_load_state_dict(_original_load_state_dict)
+    original_load = torch.nn.Module.load_state_dict
+    context.patch(torch.nn.Module, "load_state_dict", checkpoint.restoring_load_state_dict(original_load))
     original = DistributedDataParallel.__init__
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
-        config = _config
+        config = context.current_config()
         if config is not None and config.bucket_mb is not None:
             bound = signature.bind_partial(self, *args, **kwargs).arguments
             if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
                 kwargs["bucket_cap_mb"] = config.bucket_mb
         original(self, *args, **kwargs)
-        checkpoint.attach(self)  # before the hook exists: a checkpoint loaded now waits for it
-        if config is not None and config.amp != "off":
-            from trainaccel.amp.ddp import enable_amp
+        if config is not None:
+            accelerate(self, config)
 
-            enable_amp(self, config)
-        if config is not None and config.metrics_every:
-            from trainaccel.monitor.ddp import attach_meter
-
-            attach_meter(self, config)
-        if config is not None and hasattr(self, "reducer"):
-            # Registered at the first forward, so a script that registers its own hook after
-            # building the model keeps it (DDP accepts only one hook per model).
-            self._trainaccel_first_forward = self.register_forward_pre_hook(
-                functools.partial(_register_at_first_forward, config=config)
-            )
-
-    DistributedDataParallel.__init__ = __init__
-    _original_init = original
+    context.patch(DistributedDataParallel, "__init__", __init__)
 
 
-def unpatch_ddp() -> None:
-    """Undo `patch_ddp`; models built afterwards are plain DDP again."""
-    global _original_init, _original_load_state_dict, _config
-    if _original_init is not None:
-        DistributedDataParallel.__init__ = _original_init
-    if _original_load_state_dict is not None:
-        torch.nn.Module.load_state_dict = _original_load_state_dict
-    _original_init, _original_load_state_dict, _config = None, None, None
-    unwatch_optimizer_steps()
+def accelerate(ddp_model: DistributedDataParallel, config: Config) -> StepObserver:
+    """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step."""
+    observer = observe(ddp_model, compiled=config.compile == "on")
+    checkpoint.attach(observer)  # before the hook exists: a checkpoint loaded now waits for it
+    if config.amp != "off":
+        enable_amp(observer, config)
+    if config.metrics_every:
+        attach_meter(observer, config)
+    if hasattr(ddp_model, "reducer"):
+        # Registered at the first forward, so a script that registers its own hook after
+        # building the model keeps it (DDP accepts only one hook per model).
+        unsubscribe = None
+
+        def at_first_step(observer: StepObserver, args: tuple, kwargs: dict) -> None:
+            unsubscribe()
+            _register_at_first_step(ddp_model, config)
+
+        unsubscribe = observer.subscribe("step_begin", at_first_step)
+    return observer
 
 
-def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, *, config: Config) -> None:
-    ddp_model.__dict__.pop("_trainaccel_first_forward").remove()
+def _register_at_first_step(ddp_model: DistributedDataParallel, config: Config) -> None:
     if config.compile == "on":
         # From the second step on: this first call registers hooks, which is no work for a compiler.
         from trainaccel.compiler import compile
@@ -263,11 +246,10 @@ def _register_at_first_forward(ddp_model: DistributedDataParallel, inputs: Any, 
             )
         guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
         return
-    if config.local_steps > 1 and not hasattr(ddp_model, "_trainaccel_local_steps"):
+    if config.local_steps > 1 and observer_of(ddp_model).local_steps is None:
         warn_once(
             f"local_steps={config.local_steps} needs trainaccel.comm.LocalSteps(model, optimizer) in the script: "
             "without it this model reduces gradients at every backward pass (zero-code mode cannot hold back "
             "the script's optimizer steps)"
         )
     register(ddp_model, config)
-    failfast.count_step(ddp_model, inputs)  # registered too late to see this forward, which is a step too

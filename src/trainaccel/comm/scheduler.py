@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from trainaccel import context
+
 log = logging.getLogger("trainaccel")
 
 
@@ -38,9 +40,17 @@ class CommThread:
         self._jobs.put((job, fut))
         return fut
 
+    def stop(self) -> None:
+        """Finish the jobs submitted so far, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
     def _run(self) -> None:
         while True:
-            job, fut = self._jobs.get()
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
             result = None
             try:
                 result = job()
@@ -59,7 +69,16 @@ def comm_thread() -> CommThread:
     global _thread
     if _thread is None:
         _thread = CommThread()
+        context.on_undo("communication thread", stop_comm_thread)
     return _thread
+
+
+def stop_comm_thread() -> None:
+    """End this process's communication thread after its pending jobs (`shutdown()`); the next use starts one."""
+    global _thread
+    if _thread is not None:
+        _thread.stop()
+        _thread = None
 
 
 # DDP group -> the engine's copy of it (same ranks, its own communicator).

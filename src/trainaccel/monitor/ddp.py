@@ -6,12 +6,10 @@ loop's own work); its batch size is the first dimension of the forward's first t
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.config import Config
 from trainaccel.monitor import timeline
@@ -20,6 +18,7 @@ from trainaccel.monitor.straggler import StragglerDetector
 
 if TYPE_CHECKING:
     from trainaccel.comm.hooks import CommWait
+    from trainaccel.observer import StepObserver
 
 
 def _batch_size(value: Any) -> int | None:
@@ -33,17 +32,14 @@ def _batch_size(value: Any) -> int | None:
     return None
 
 
-def attach_meter(ddp_model: DistributedDataParallel, config: Config) -> StepMeter:
-    """Give `ddp_model` a StepMeter (`ddp_model.trainaccel_meter`) fed by its forwards and optimizer steps."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    device = next((p.device for p in ddp_model.parameters()), None)
-    meter = StepMeter(config.metrics_every, device=device, process_group=ddp_model.process_group)
+def attach_meter(observer: StepObserver, config: Config) -> StepMeter:
+    """Give the model a StepMeter (`model.trainaccel.meter`) fed by its training steps and optimizer steps."""
+    model = observer.model()
+    device = next((p.device for p in model.parameters()), None)
+    meter = StepMeter(config.metrics_every, device=device, process_group=model.process_group)
     pending: dict[str, Any] = {"batch": None, "stepped_at": None}
 
-    def before_forward(module: DistributedDataParallel, args: tuple, kwargs: dict) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return  # evaluation forwards are not training steps
+    def step_begin(observer: StepObserver, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
         if pending["batch"] is None:
             meter.restart()
@@ -53,55 +49,46 @@ def attach_meter(ddp_model: DistributedDataParallel, config: Config) -> StepMete
         pending["batch"] = _batch_size((args, kwargs)) or 0
         pending["stepped_at"] = None
 
-    def after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def after_optimizer_step(observer: StepObserver, optimizer: Any) -> None:
         pending["stepped_at"] = time.perf_counter()
 
-    if config.compile == "on" or "torch._dynamo" in sys.modules:
-        before_forward = torch.compiler.disable(before_forward)  # its all-reduce stays out of any graph
-    ddp_model.register_forward_pre_hook(before_forward, with_kwargs=True)
-    ddp_model._trainaccel_meter_hook = register_optimizer_step_post_hook(after_optimizer_step)
-    ddp_model.trainaccel_meter = meter
+    observer.subscribe("step_begin", step_begin)
+    observer.subscribe("after_optimizer_step", after_optimizer_step)
+    observer.meter = meter
     return meter
 
 
-def watch_steps(ddp_model: DistributedDataParallel, config: Config, comm_wait: CommWait | None) -> None:
-    """Straggler checks and timeline step spans, closed at each training forward of `ddp_model`.
+def watch_steps(observer: StepObserver, config: Config, comm_wait: CommWait | None) -> None:
+    """Straggler checks and timeline step spans, closed at each training step of the model.
 
     A step runs from one training forward to the next. Its own work excludes the wait for peers
-    measured by the communication hook (`comm_wait`) and the forward pre-hooks (other monitors'
-    collectives run there).
+    measured by the communication hook (`comm_wait`) and the observer's forward pre-hook (other
+    monitors' collectives run there).
     """
+    model = observer.model()
     detector = None
     if config.straggler_every:
-        device = next((p.device for p in ddp_model.parameters()), None)
+        device = next((p.device for p in model.parameters()), None)
         detector = StragglerDetector(
-            config.straggler_every, config.straggler_threshold, process_group=ddp_model.process_group, device=device
+            config.straggler_every, config.straggler_threshold, process_group=model.process_group, device=device
         )
-        ddp_model.trainaccel_stragglers = detector
-    clock: dict[str, Any] = {"entered": 0.0, "step_start": None, "steps": 0}
+        observer.stragglers = detector
+    started: dict[str, float | None] = {"at": None}
 
-    def enter(module: DistributedDataParallel, args: tuple) -> None:
-        clock["entered"] = time.perf_counter()
-
-    def before_forward(module: DistributedDataParallel, args: tuple) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
+    def step_begin(observer: StepObserver, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
         wait = comm_wait.take() if comm_wait is not None else 0.0
-        if clock["step_start"] is not None:
+        if started["at"] is not None:
             trace = timeline.current()
             if trace is not None:
-                trace.span(f"step {clock['steps']}", clock["step_start"], now, timeline.STEPS_TRACK, "step")
+                # the span is the step that just ended: counted from 0, it is the one before this one's
+                trace.span(f"step {observer.step - 2}", started["at"], now, timeline.STEPS_TRACK, "step")
                 trace.flush()
             if detector is not None:
-                detector.waited(wait + now - clock["entered"])
+                detector.waited(wait + now - observer.entered)
                 detector.step()
         elif detector is not None:
             detector.restart()
-        clock["step_start"] = now
-        clock["steps"] += 1
+        started["at"] = now
 
-    if config.compile == "on" or "torch._dynamo" in sys.modules:
-        before_forward = torch.compiler.disable(before_forward)  # its collective stays out of any graph
-    ddp_model.register_forward_pre_hook(enter, prepend=True)
-    ddp_model.register_forward_pre_hook(before_forward)
+    observer.subscribe("step_begin", step_begin)

@@ -70,7 +70,7 @@ class StepMeter:
         self.records: list[StepRecord] = []  # the lines logged so far, on every rank
         self.steps = 0
         self._jsonl = Path(jsonl) if jsonl is not None else None
-        self._writer = _tensorboard(tensorboard) if tensorboard is not None and _rank(process_group) == 0 else None
+        self._writer = _tensorboard(tensorboard) if tensorboard is not None and rank_in(process_group) == 0 else None
         self._last = time.perf_counter()
         self._data = 0.0  # data wait inside the current step
         self._window = [0.0, 0.0, 0.0, 0.0]  # examples, step seconds, data seconds, steps
@@ -108,7 +108,7 @@ class StepMeter:
         record = self._pool()
         self._window = [0.0, 0.0, 0.0, 0.0]
         self.records.append(record)
-        if _rank(self.group) == 0:
+        if rank_in(self.group) == 0:
             self._emit(record)
         return record
 
@@ -153,7 +153,8 @@ def collective_device(device: torch.device | None, group: dist.ProcessGroup | No
     return device if device is not None and dist.get_backend(group) == "nccl" else "cpu"
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
+def rank_in(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in `group` (0 without a process group)."""
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.environment import worker_place
-from trainaccel.monitor.metrics import _rank, collective_device
+from trainaccel.monitor.metrics import collective_device, rank_in
 
 log = logging.getLogger("trainaccel")
 
@@ -132,7 +132,7 @@ class StragglerDetector:
         )
         report = StragglerReport(self.steps, tuple(times), slow)
         self.reports.append(report)
-        if _rank(self.group) == 0:
+        if rank_in(self.group) == 0:
             log.debug(
                 "straggler check at step %d: own work per step by rank: %s ms (median %.1f ms)",
                 self.steps,

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from trainaccel import context
+
 STEPS_TRACK = "steps"
 
 _current: Timeline | None = None
@@ -144,6 +146,8 @@ def start(path: str | os.PathLike, rank: int) -> Timeline | None:
             return _current
         _current.close()
     _current = Timeline(text, rank)
+    if context.first_time("timeline"):
+        context.on_undo("timeline", stop)  # shutdown() closes it, as the end of the process would
     return _current
 
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from trainaccel.config import env_setting
 from trainaccel.horovod.basics import check_initialized, rank, size
 from trainaccel.horovod.elastic.sampler import ElasticSampler
 from trainaccel.horovod.elastic.state import ObjectState, State, TorchState, state_dir
@@ -101,7 +102,7 @@ def _finish(state: State) -> None:
     if path is None:
         return
     path.unlink(missing_ok=True)
-    if not os.environ.get("TRAINACCEL_ELASTIC_DIR"):
+    if not env_setting("elastic_dir"):
         with contextlib.suppress(OSError):
             path.parent.rmdir()  # succeeds for the last worker out
 

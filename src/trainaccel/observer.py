@@ -1,0 +1,253 @@
+"""The step observer: one per DDP model, the one place that decides when a training step begins.
+
+`observe(model)` gives a DDP model its observer, `model.trainaccel`: one forward pre-hook, one state-dict
+hook, and every feature's state for that model. Features subscribe to its events instead of hooking the
+model or torch themselves:
+
+- `step_begin(observer, args, kwargs)`: a training forward (training mode, gradients on); `observer.step` counts them.
+- `eval(observer, args, kwargs)`: any other forward.
+- `after_backward(observer)`: `loss.backward()` returned in a step (seen once some feature calls `watch_backward`).
+- `after_optimizer_step(observer, optimizer)`: an optimizer holding the model's parameters stepped.
+- `state_dict(observer, destination, prefix, metadata)`: the model's module built its state dict.
+
+Process-wide, one pair of torch's global optimizer step hooks and one `Tensor.backward` wrapper feed
+these events and the process-wide watchers (`watch_optimizer_steps`, `watch_backward`), all
+registered with `context` so that `trainaccel.shutdown()` removes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainaccel import context
+
+EVENTS = ("step_begin", "eval", "after_backward", "after_optimizer_step", "state_dict")
+
+_observers: weakref.WeakSet[StepObserver] = weakref.WeakSet()
+_by_module: weakref.WeakKeyDictionary[torch.nn.Module, StepObserver] = weakref.WeakKeyDictionary()
+_optimizer_watchers: dict[str, list[Callable[..., Any]]] = {"before": [], "after": []}
+_backward_watchers: dict[str, list[Callable[..., Any]]] = {"before": [], "after": []}
+_held: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
+_furthest = 0  # the furthest step any observer of this process began (read by the heartbeat thread)
+
+
+class StepObserver:
+    """Everything trainaccel keeps for one DDP model, and the events of its training loop."""
+
+    __slots__ = {
+        "model": "a weak reference to the DDP model (which holds this observer)",
+        "step": "training steps begun, i.e. training forwards: the one step counter (heartbeats, monitors, AMP)",
+        "optimizer_steps": "steps of optimizers holding the model's parameters (None once detached: unknown)",
+        "entered": "perf_counter() when this forward's pre-hook began: monitors leave their own time out",
+        "comm": "the communication hook's state (CommState or Autotuner), None without trainaccel's hook",
+        "amp": "zero-code AMP's state, None when the model is not autocast",
+        "meter": "the StepMeter of metrics_every, or None",
+        "stragglers": "the StragglerDetector of straggler_every, or None",
+        "local_steps": "the LocalSteps holding this model's reductions back, or None",
+        "_subscribers": "event -> callbacks, called in subscription order",
+        "_undo": "what to undo when detached: hook removals, the model's patched forward",
+        "_params": "ids of the model's parameters: which optimizers step it",
+        "_backward_due": "a step began and its backward has not been seen yet",
+        "__weakref__": "so that process-wide tables do not keep models alive",
+    }
+
+    def __init__(self, model: torch.nn.Module, compiled: bool):
+        self.model = weakref.ref(model)
+        self.step, self.optimizer_steps, self.entered = 0, 0, 0.0
+        self.comm = self.amp = self.meter = self.stragglers = self.local_steps = None
+        self._subscribers: dict[str, list[Callable[..., Any]]] = {event: [] for event in EVENTS}
+        self._params = frozenset(id(p) for p in model.parameters())
+        self._backward_due = False
+        before_forward = functools.partial(_before_forward, weakref.ref(self))
+        if compiled:
+            # Untraced: the counters and the features' collectives change every step, and a compiled frame
+            # would be specialised (and recompiled) on them. Importing TorchDynamo only for this would slow
+            # every start, so runs that do not compile skip it.
+            before_forward = torch.compiler.disable(before_forward)
+        module = getattr(model, "module", model)
+        self._undo: list[Callable[[], Any]] = [
+            model.register_forward_pre_hook(before_forward, with_kwargs=True).remove,
+            module.register_state_dict_post_hook(functools.partial(_after_state_dict, weakref.ref(self))).remove,
+        ]
+
+    def subscribe(self, event: str, callback: Callable[..., Any]) -> Callable[[], None]:
+        """Call `callback(observer, ...)` at each `event`; returns a function that unsubscribes it."""
+        if event not in self._subscribers:
+            raise ValueError(f"invalid event {event!r}; accepted: {', '.join(EVENTS)}")
+        self._subscribers[event].append(callback)
+        return functools.partial(_discard, self._subscribers[event], callback)
+
+    def subscribers(self, event: str) -> tuple[Callable[..., Any], ...]:
+        return tuple(self._subscribers[event])
+
+    def emit(self, event: str, *args: Any) -> None:
+        for callback in list(self._subscribers[event]):  # a callback may unsubscribe itself
+            callback(self, *args)
+
+    def on_detach(self, undo: Callable[[], Any]) -> None:
+        """Run `undo` when the observer is detached (a feature's change to the model)."""
+        self._undo.append(undo)
+
+    def detach(self) -> None:
+        """Stop observing: hooks removed, no more events (`shutdown()`); the features' state stays readable."""
+        while self._undo:
+            self._undo.pop()()
+        for callbacks in self._subscribers.values():
+            callbacks.clear()
+        self.optimizer_steps = None
+        _observers.discard(self)
+
+
+def _discard(callbacks: list[Callable[..., Any]], callback: Callable[..., Any]) -> None:
+    if callback in callbacks:
+        callbacks.remove(callback)
+
+
+def observe(model: torch.nn.Module, compiled: bool = False) -> StepObserver:
+    """`model.trainaccel`, created on first use (`compiled`: keep the hook out of compiled graphs)."""
+    observer = observer_of(model)
+    if observer is None:
+        compiled = compiled or "torch._dynamo" in sys.modules
+        observer = StepObserver(model, compiled)
+        model.trainaccel = observer
+        _observers.add(observer)
+        _by_module[getattr(model, "module", model)] = observer
+        _watch_optimizers()
+        if context.first_time("step observers"):
+            context.on_undo("step observers", _detach_all)
+    return observer
+
+
+def observer_of(model: torch.nn.Module) -> StepObserver | None:
+    """The observer of a DDP model, or of the DDP model wrapping this module; None if there is none."""
+    observer = model.__dict__.get("trainaccel")
+    if isinstance(observer, StepObserver):
+        return observer
+    return _by_module.get(model)
+
+
+def _detach_all() -> None:
+    global _furthest
+    for observer in list(_observers):
+        observer.detach()
+    _furthest = 0
+
+
+def _before_forward(ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    observer = ref()
+    if observer is None:
+        return
+    observer.entered = time.perf_counter()
+    if module.training and torch.is_grad_enabled():
+        global _furthest
+        observer.step += 1
+        _furthest = max(_furthest, observer.step)
+        observer._backward_due = True
+        observer.emit("step_begin", args, kwargs)
+    else:
+        observer.emit("eval", args, kwargs)
+
+
+def _after_state_dict(
+    ref: weakref.ref, module: torch.nn.Module, destination: dict, prefix: str, metadata: dict
+) -> None:
+    observer = ref()
+    if observer is not None:
+        observer.emit("state_dict", destination, prefix, metadata)
+
+
+def watch_optimizer_steps(
+    before: Callable[[torch.optim.Optimizer], Any] | None = None,
+    after: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> None:
+    """Call `before(optimizer)` / `after(optimizer)` around every torch optimizer's step, until `shutdown()`."""
+    _watch_optimizers()
+    for when, callback in (("before", before), ("after", after)):
+        if callback is not None and callback not in _optimizer_watchers[when]:
+            _optimizer_watchers[when].append(callback)
+
+
+def _watch_optimizers() -> None:
+    """torch's global optimizer step hooks, once: they feed the process-wide watchers and every observer."""
+    if not context.first_time("optimizer step hooks"):
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    handles = [
+        register_optimizer_step_pre_hook(_before_optimizer_step),
+        register_optimizer_step_post_hook(_after_optimizer_step),
+    ]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+        for watchers in _optimizer_watchers.values():
+            watchers.clear()
+        _held.clear()
+
+    context.on_undo("optimizer step hooks", remove)
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for callback in list(_optimizer_watchers["before"]):
+        callback(optimizer)
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for callback in list(_optimizer_watchers["after"]):
+        callback(optimizer)
+    if not _observers:
+        return
+    groups = optimizer.param_groups
+    count, held = _held.get(optimizer, (-1, frozenset()))
+    if count != sum(len(g["params"]) for g in groups):  # new or grown (add_param_group)
+        held = frozenset(id(p) for g in groups for p in g["params"])
+        _held[optimizer] = (sum(len(g["params"]) for g in groups), held)
+    for observer in list(_observers):
+        if not held.isdisjoint(observer._params):
+            observer.optimizer_steps += 1
+            observer.emit("after_optimizer_step", optimizer)
+
+
+def watch_backward(
+    before: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    after: Callable[[torch.Tensor], Any] | None = None,
+) -> None:
+    """Around `loss.backward()` (a scalar's, no gradient given), until `shutdown()`: `before(loss)` returns the
+    tensor to backpropagate (a scaled loss), `after(loss)` sees it done; observers then emit `after_backward`."""
+    if context.first_time("backward watchers"):
+        original = torch.Tensor.backward
+
+        @functools.wraps(original)
+        def backward(self: torch.Tensor, gradient: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+            if gradient is not None or self.numel() != 1:
+                return original(self, gradient, *args, **kwargs)
+            loss = self
+            for callback in list(_backward_watchers["before"]):
+                loss = callback(loss)
+            result = original(loss, gradient, *args, **kwargs)
+            for callback in list(_backward_watchers["after"]):
+                callback(loss)
+            for observer in list(_observers):
+                if observer._backward_due:
+                    observer._backward_due = False
+                    observer.emit("after_backward")
+            return result
+
+        context.patch(torch.Tensor, "backward", backward)
+        context.on_undo("backward watchers", lambda: [w.clear() for w in _backward_watchers.values()])
+    for when, callback in (("before", before), ("after", after)):
+        if callback is not None and callback not in _backward_watchers[when]:
+            _backward_watchers[when].append(callback)
+
+
+def process_step() -> int:
+    """The furthest step of this process's observed models (what heartbeats report)."""
+    return _furthest
