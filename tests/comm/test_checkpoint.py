@@ -39,7 +39,7 @@ def test_the_state_survives_a_weights_only_round_trip_and_restores_every_bucket(
     fresh = trained(compression, steps=0)
     comm.load_state_dict(fresh, state)
     restored = comm.comm_state(fresh)
-    assert restored.steps == restored.steps_at_start == 3
+    assert restored.reductions == restored.reductions_at_start == 3
     assert set(restored.restored_buckets.values()) == set(restored.parked) != set()
     again = comm.state_dict(fresh)  # before its first step: what was loaded, unchanged
     for a, b in zip(state["buckets"], again["buckets"]):
@@ -55,7 +55,7 @@ def test_a_state_for_another_codec_is_not_restored_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, "trainaccel"):
         comm.load_state_dict(fresh, state)
     assert "is for compression=topk" in caplog.text and "not restored" in caplog.text
-    assert comm.comm_state(fresh).steps == 0 and not comm.comm_state(fresh).parked
+    assert comm.comm_state(fresh).reductions == 0 and not comm.comm_state(fresh).parked
 
 
 def test_an_unknown_format_is_refused_with_the_formats():

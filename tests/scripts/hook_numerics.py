@@ -52,7 +52,7 @@ for codec in ("none", "fp16", "bf16"):
     found[codec] = {
         "max_abs_err": err,
         "bytes_per_step": sent,
-        "steps": state.steps,
+        "steps": state.reductions,
         "hook": model._get_ddp_logging_data().get("comm_hook"),
     }
 

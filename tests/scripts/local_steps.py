@@ -61,7 +61,7 @@ with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     json.dump(
         {
             "max_abs_err": error,
-            "hook_steps": state.steps,
+            "hook_steps": state.reductions,
             "syncing": syncing,
             "grads_cleared": all(p.grad is None for p in net.parameters()),
         },

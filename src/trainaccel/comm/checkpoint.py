@@ -175,7 +175,7 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
         "compression": _compression(state),
         "hierarchical": state.hierarchy is not None,
         "counters": {
-            "steps": state.steps,
+            "steps": state.reductions,
             "fallbacks": state.fallbacks,
             "skipped_steps": state.skipped_steps,
             "flat_bytes_sent": state.flat_bytes_sent,
@@ -213,7 +213,7 @@ def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> No
         )
         return
     counters = saved["counters"]
-    state.steps = state.steps_at_start = counters["steps"]
+    state.reductions = state.reductions_at_start = counters["steps"]
     state.fallbacks, state.skipped_steps = counters["fallbacks"], counters["skipped_steps"]
     state.flat_bytes_sent = counters["flat_bytes_sent"]
     if state.hierarchy is not None:

@@ -56,11 +56,11 @@ class CommState:
     hierarchy: HierarchicalReduce | None = None
     powersgd: PowerSGDState | None = None
     flat_bytes_sent: int = 0
-    steps: int = 0  # steps whose last bucket this hook has seen
+    reductions: int = 0  # steps whose last bucket this hook reduced (training steps are the observer's to count)
     fallbacks: int = 0  # lossy exchanges that were not finite and were redone exactly
     skipped_steps: int = 0  # steps whose gradients the script did not apply: residuals dropped after them
     optimizer_steps_at_last_step: int | None = -1  # the observer's optimizer steps at the last step's first bucket
-    steps_at_start: int = 0  # `steps` when this process began (restored from a checkpoint, or 0)
+    reductions_at_start: int = 0  # `reductions` when this process began (restored from a checkpoint, or 0)
     # Per-bucket state follows the parameters a bucket holds (see `trainaccel.comm.buckets`).
     signatures: dict[int, Signature] = dataclasses.field(default_factory=dict)  # bucket index -> its parameters
     parked: dict[Signature, dict] = dataclasses.field(default_factory=dict)  # state of buckets not at an index now
@@ -100,7 +100,7 @@ class CommState:
         """Average of `bytes_sent` per step (for DDP's own allreduce: the gradient's bytes)."""
         if self.builtin:
             return float(self.dense_bytes_per_step)
-        return self.bytes_sent / self.steps if self.steps else 0.0
+        return self.bytes_sent / self.reductions if self.reductions else 0.0
 
 
 def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -108,14 +108,16 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
 
     The work runs on the engine's communication thread; this returns at once.
     """
-    first_here = state.steps == state.steps_at_start  # DDP builds its final buckets after this process's first step
+    # DDP builds its final buckets after this process's first step
+    first_here = state.reductions == state.reductions_at_start
     if bucket.index() == 0 and (state.keeps_residuals or state.powersgd is not None):
         _drop_residuals_after_a_skipped_step(state)
     if bucket.is_last():
-        state.steps += 1
+        state.reductions += 1
         if state.comm_wait is not None:
             state.comm_wait.ready = time.perf_counter()
-    step, buffer, index = state.steps if bucket.is_last() else state.steps + 1, bucket.buffer(), bucket.index()
+    step = state.reductions if bucket.is_last() else state.reductions + 1
+    buffer, index = bucket.buffer(), bucket.index()
     signature = _signature(state, bucket) if state.per_bucket else None
 
     def job() -> torch.Tensor:
@@ -249,7 +251,7 @@ def _drop_residuals_after_a_skipped_step(state: CommState) -> None:
     """
     now = state.observer.optimizer_steps if state.observer is not None else None
     seen, state.optimizer_steps_at_last_step = state.optimizer_steps_at_last_step, now
-    if not now or seen != now or state.steps == state.steps_at_start:
+    if not now or seen != now or state.reductions == state.reductions_at_start:
         return
     state.skipped_steps += 1
     stores = bucket_stores(state)
@@ -344,8 +346,9 @@ def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tenso
         if not bool(torch.isfinite(result[offset : offset + n]).all()):
             bad.append(state.param_names.get(id(param), f"<parameter of shape {tuple(param.shape)}>"))
         offset += n
+    where = ", ".join(bad)
     message = (
-        f"non-finite gradient after allreduce at step {state.steps} in: {', '.join(bad)} (nan_check={state.nan_check})"
+        f"non-finite gradient after allreduce at step {state.reductions} in: {where} (nan_check={state.nan_check})"
     )
     if state.nan_check == "raise":
         raise FloatingPointError(message)
