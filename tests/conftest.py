@@ -1,5 +1,6 @@
 import json
 import logging
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -9,8 +10,83 @@ from pathlib import Path
 
 import pytest
 
+import trainaccel
+
 SCRIPTS = Path(__file__).parent / "scripts"
 BIN = Path(sys.executable).parent
+
+# pytester: tests/test_markers.py runs pytest on small test files to show the marker check below at work.
+pytest_plugins = ["pytester"]
+
+# Tests that start processes (torchrun, `trainaccel run`, any subprocess, multiprocessing workers) are marked
+# `multiprocess`, so that `pytest -m "not multiprocess"` runs the fast, in-process tests alone. The marker is
+# enforced: while a test runs (setup, call and teardown, module-scoped fixtures included), starting a process
+# fails the test unless it is marked.
+MULTIPROCESS = "multiprocess"
+_running: list[pytest.Item] = []  # the test being run; a stack, since pytester runs tests within a test
+
+
+def require_multiprocess(what: str) -> None:
+    """Fail the running test, if any, unless it is marked multiprocess; `what` names the process it would start."""
+    __tracebackhide__ = True  # the failure shows where the test starts the process, not this check
+    if _running and _running[-1].get_closest_marker(MULTIPROCESS) is None:
+        pytest.fail(
+            f"{_running[-1].nodeid} starts a process ({what}) but is not marked {MULTIPROCESS}: "
+            f"add @pytest.mark.{MULTIPROCESS} to the test, or pytestmark = pytest.mark.{MULTIPROCESS} to its module "
+            f'if all of its tests start processes, so that `pytest -m "not {MULTIPROCESS}"` stays in-process'
+        )
+
+
+def _described(command) -> str:
+    words = [str(c) for c in command] if isinstance(command, (list, tuple)) else [str(command)]
+    text = " ".join(words)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _checked_popen_init(self, *args, **kwargs):
+    __tracebackhide__ = True
+    command = args[0] if args else kwargs.get("args")
+    try:
+        require_multiprocess(f"subprocess {_described(command)}")
+    except BaseException:
+        self._child_created = False  # no child: Popen.__del__ has nothing to clean up
+        raise
+    _popen_init(self, *args, **kwargs)
+
+
+def _checked_process_start(self):
+    __tracebackhide__ = True
+    require_multiprocess(f"multiprocessing {self.name}, target {getattr(self, '_target', None)!r}")
+    _process_start(self)
+
+
+_patches: dict[pytest.Config, pytest.MonkeyPatch] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Once per process: pytester's in-process runs configure again within the outer run.
+    if not _patches:
+        patch = _patches[config] = pytest.MonkeyPatch()
+        patch.setattr(subprocess.Popen, "__init__", _checked_popen_init)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", _checked_process_start)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config in _patches:
+        _patches.pop(config).undo()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
 
 
 def trainaccel_cmd() -> list[str]:
@@ -28,6 +104,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
 
     On timeout the command's whole process group is killed (a launcher's workers too), then it raises.
     """
+    require_multiprocess(f"conftest.run: {_described(cmd)}")
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     args = [str(c) for c in cmd]
     with subprocess.Popen(
@@ -61,6 +138,7 @@ def run_nodes(
 
     `per_node` is the workers per node, or a list of them for nodes of different sizes.
     """
+    require_multiprocess(f"conftest.run_nodes: {nodes} torchrun launches of {script}")
     port = free_port()
     sizes = per_node if isinstance(per_node, list) else [per_node] * nodes
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
@@ -117,6 +195,7 @@ def read_ranks(directory: Path, world: int) -> list[dict]:
 def run_checks(script: str | Path, out_dir: Path, workers: int, *args) -> list[dict]:
     """Launch a worker script (a name in tests/scripts, or a path) that writes OUT_DIR/rank{r}.json (see
     scripts/checks.py); assert no check failed."""
+    require_multiprocess(f"conftest.run_checks: {workers} workers of {script}")
     proc = run(
         [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, SCRIPTS / script, out_dir, *args]
     )
@@ -125,6 +204,13 @@ def run_checks(script: str | Path, out_dir: Path, workers: int, *args) -> list[d
     for rank, result in enumerate(ranks):
         assert result["failures"] == [], f"rank {rank}"
     return ranks
+
+
+@pytest.fixture(autouse=True)
+def isolated_by_shutdown():
+    """Each test leaves torch as trainaccel found it: whatever init() or a feature changed is undone after it."""
+    yield
+    trainaccel.shutdown()
 
 
 @pytest.fixture

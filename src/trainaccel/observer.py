@@ -43,7 +43,7 @@ class StepObserver:
 
     __slots__ = {
         "model": "a weak reference to the DDP model (which holds this observer)",
-        "step": "training steps begun, i.e. training forwards: the one step counter (heartbeats, monitors, AMP)",
+        "step": "training steps begun, i.e. training forwards: the one step counter (heartbeats, monitors, timeline)",
         "optimizer_steps": "steps of optimizers holding the model's parameters (None once detached: unknown)",
         "entered": "perf_counter() when this forward's pre-hook began: monitors leave their own time out",
         "comm": "the communication hook's state (CommState or Autotuner), None without trainaccel's hook",

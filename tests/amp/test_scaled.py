@@ -12,7 +12,6 @@ from torch.optim import lr_scheduler
 
 import trainaccel
 import trainaccel.amp
-from trainaccel import context
 
 
 @pytest.fixture
@@ -201,7 +200,6 @@ def test_clipping_parameters_of_no_scaled_optimizer_stops_with_the_reason(one_wo
 def test_schedulers_skip_with_the_optimizer_steps_the_scaler_skipped(
     one_worker, trainaccel_messages, monkeypatch, fused
 ):
-    monkeypatch.setattr(context, "_said", set())  # said once per process: once per test here
     trainaccel.init(amp="fp16", start_process_group=False)
     model = DDP(_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)

@@ -113,7 +113,7 @@ def _run_arm(
 ) -> dict:
     """Run one arm; `arm` is baseline, local, or trainaccel (also for variants, with their options)."""
     if arm == "trainaccel":
-        launcher, env = TRAINACCEL_RUN, {**os.environ, **{Config.env_name(k): v for k, v in options.items()}}
+        launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
     else:
         launcher, env = TORCHRUN, plain_env()
     common = [
