@@ -8,6 +8,7 @@ from conftest import SCRIPTS, read_ranks, run_nodes
 from trainaccel.batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 
+@pytest.mark.multiprocess
 def test_scopes_normalize_over_the_node_or_every_worker(tmp_path):
     procs = run_nodes(SCRIPTS / "sync_bn_scopes.py", tmp_path, nodes=2, per_node=2)
     assert all(p.returncode == 0 for p in procs), "\n".join(p.stdout[-3000:] for p in procs)

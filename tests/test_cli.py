@@ -7,6 +7,7 @@ import torch
 from conftest import run, trainaccel_cmd
 
 
+@pytest.mark.multiprocess
 def test_info_reports_versions_backends_and_config():
     proc = run(
         [*trainaccel_cmd(), "info"], env={"TRAINACCEL_COMPRESSION": "fp16", "TRAINACCEL_TYPO": "1", "COLUMNS": "200"}
@@ -19,6 +20,7 @@ def test_info_reports_versions_backends_and_config():
     assert "TRAINACCEL_TYPO is not a trainaccel option" in out
 
 
+@pytest.mark.multiprocess
 def test_info_rejects_a_bad_env_value():
     proc = run([*trainaccel_cmd(), "info"], env={"TRAINACCEL_HIERARCHICAL": "sideways"})
     assert proc.returncode == 2
@@ -27,6 +29,7 @@ def test_info_rejects_a_bad_env_value():
     )
 
 
+@pytest.mark.multiprocess
 def test_version_and_usage():
     proc = run([*trainaccel_cmd(), "--version"])
     assert proc.returncode == 0 and proc.stdout.startswith("trainaccel 0.")
@@ -34,6 +37,7 @@ def test_version_and_usage():
     assert proc.returncode == 2 and "run" in proc.stderr and "demo" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_demo_measures_every_arm(tmp_path):
     out = tmp_path / "demo.json"
     proc = run([*trainaccel_cmd(), "demo", "--steps", "12", "--warmup", "4", "--json", out], env={"COLUMNS": "200"})
@@ -53,11 +57,13 @@ def test_demo_measures_every_arm(tmp_path):
     assert fp16["bytes_per_step"] == plain["bytes_per_step"] / 2
 
 
+@pytest.mark.multiprocess
 def test_demo_rejects_bad_arguments():
     proc = run([*trainaccel_cmd(), "demo", "--steps", "5", "--warmup", "5"])
     assert proc.returncode == 2 and "accepted: 0 <= warmup < steps" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_commands_start_without_the_data_extra(tmp_path):
     """`pip install -e .` has no crc32c, protobuf or Pillow: only the data commands need them, and say so."""
     code = (

@@ -32,6 +32,7 @@ def _train(model: nn.Module, steps: int = 3) -> list[float]:
     return losses
 
 
+@pytest.mark.multiprocess  # inductor runs the C++ compiler
 def test_compiles_in_place_and_trains_like_eager():
     torch._dynamo.reset()
     eager = _train(_model())

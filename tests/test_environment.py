@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from trainaccel.environment import is_distributed, map_mpi_env
 
 
@@ -29,6 +31,7 @@ def test_no_launcher_variables_means_single_process():
     assert map_mpi_env(env) == {} and not is_distributed(env)
 
 
+@pytest.mark.multiprocess
 def test_import_is_light_and_patches_nothing():
     code = (
         "import sys, trainaccel; "

@@ -81,6 +81,7 @@ def test_bad_detector_arguments_are_named(kwargs, message):
         StragglerDetector(**kwargs)
 
 
+@pytest.mark.multiprocess
 def test_metrics_every_logs_lines_matching_the_scripts_own_timing(tmp_path):
     proc = run(
         [
@@ -112,6 +113,7 @@ def test_metrics_every_logs_lines_matching_the_scripts_own_timing(tmp_path):
         assert 25 <= data_ms <= step_ms - 15  # the 30 ms sleep before each forward; the 20 ms one is compute
 
 
+@pytest.mark.multiprocess
 def test_a_worker_half_again_as_slow_is_named_and_the_timeline_shows_steps_and_bucket_stages(tmp_path):
     trace = tmp_path / "trace.json"
     env = {"TRAINACCEL_STRAGGLER_EVERY": "4", "TRAINACCEL_TIMELINE": str(trace), "TRAINACCEL_LOG_LEVEL": "debug"}

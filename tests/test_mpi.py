@@ -4,7 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import SCRIPTS, free_port, read_ranks
+
+pytestmark = pytest.mark.multiprocess
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
 
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = SCRIPTS / "amp_clip.py"
 STEPS = 150
 

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
 
+pytestmark = pytest.mark.multiprocess
+
 SCRIPT = SCRIPTS / "plain_ddp.py"
 STEPS = 30
 

@@ -32,6 +32,7 @@ def _check_rows(report: dict, world: int, link: float | None) -> None:
         assert r["link_gbit_s"] == link
 
 
+@pytest.mark.multiprocess
 def test_bench_comm_tiny_local_run(tmp_path):
     out = tmp_path / "comm.json"
     plot = tmp_path / "busbw.png"
@@ -44,6 +45,7 @@ def test_bench_comm_tiny_local_run(tmp_path):
     _check_rows(json.loads(out.read_text()), world=2, link=None)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
     reason="needs root and iproute2 to build network namespaces",

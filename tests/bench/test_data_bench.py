@@ -40,6 +40,7 @@ def test_the_transform_gives_the_same_pixels_on_pil_images_and_tensors(tmp_path)
         TrainTransform(dtype="float16")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])
 def test_bench_data_reports_every_arm(tmp_path, dtype):
     proc = run(
@@ -88,6 +89,7 @@ def test_bench_data_reports_every_arm(tmp_path, dtype):
     assert packed["records"] == 30 and packed["plan"]["options"]["max_side"] == 256
 
 
+@pytest.mark.multiprocess
 def test_bad_arms_are_named():
     proc = run([*trainaccel_cmd(), "bench", "data", "--arms", "files,nope"])
     assert proc.returncode == 2 and "invalid --arms 'files,nope'" in proc.stderr

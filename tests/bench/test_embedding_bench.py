@@ -8,6 +8,7 @@ from trainaccel.bench.embedding import insert_check, torchrec_available
 from trainaccel.cli import main
 
 
+@pytest.mark.multiprocess  # the arms run in a process pool
 def test_the_arms_run_and_report_lookups(tmp_path, capsys):
     report = tmp_path / "embedding.json"
     code = main(

@@ -72,6 +72,7 @@ def _bits_per_s(cluster: EmulatedCluster, sender_node: int, receiver_node: int, 
         receiver.kill()
 
 
+@pytest.mark.multiprocess  # ip netns, and a process per node
 @needs_netns
 def test_link_is_shaped_between_nodes_and_not_within_a_node():
     emulation = parse_emulate("nodes=2,procs-per-node=1,link=40mbit")
@@ -83,6 +84,7 @@ def test_link_is_shaped_between_nodes_and_not_within_a_node():
     assert namespaces("tatest-link-") == []
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_no_namespace_survives_ctrl_c(tmp_path):
     proc = subprocess.Popen(
@@ -128,6 +130,7 @@ def test_emulate_without_root_says_what_is_needed(monkeypatch):
             pass
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_bench_train_on_an_emulated_cluster_writes_json(tmp_path):
     out = tmp_path / "bench.json"

@@ -2,12 +2,15 @@
 
 import json
 
+import pytest
+
 from conftest import run, trainaccel_cmd
 from trainaccel.bench.recsys import criteo_cardinalities
 
 MLP_PARAMETERS = 18_834_408
 
 
+@pytest.mark.multiprocess
 def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_options(tmp_path):
     # One run for both concerns (each arm is a 2-worker job): the report's shape, and the options each arm sees.
     out = tmp_path / "bench.json"
@@ -114,6 +117,7 @@ def test_bench_train_rejects_bad_arguments(capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_bench_train_deepfm_runs_both_arms(tmp_path):
     out = tmp_path / "deepfm.json"
     proc = run(

@@ -1,5 +1,7 @@
 """autotune=on: candidates, the choice, and identical decisions on 4 real workers as 2 emulated nodes."""
 
+import pytest
+
 from conftest import SCRIPTS, read_ranks, run_nodes
 from trainaccel.comm.autotune import candidate_configs, choose
 from trainaccel.config import Config
@@ -27,6 +29,7 @@ def test_choose_takes_the_lowest_median():
     assert choose({"a": [1.0, 9.0, 1.1], "b": [1.05, 1.06, 1.07], "c": [2.0]}) == "b"
 
 
+@pytest.mark.multiprocess
 def test_every_rank_applies_the_same_choice(tmp_path):
     procs = run_nodes(SCRIPTS / "autotune.py", tmp_path)
     for proc in procs:

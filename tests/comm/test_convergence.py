@@ -6,6 +6,8 @@ import pytest
 
 from conftest import SCRIPTS, run_nodes
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 300
 
 

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from conftest import run, torchrun_cmd
 from trainaccel.comm import exit_guard
 
@@ -51,6 +53,7 @@ assert not exit_guard._unreleased_callbacks, "callbacks still held by the commun
 """
 
 
+@pytest.mark.multiprocess
 def test_workers_exit_cleanly_right_after_backward(tmp_path):
     script = tmp_path / "exit_right_after_backward.py"
     script.write_text(SCRIPT)

@@ -4,6 +4,8 @@ import re
 import subprocess
 import time
 
+import pytest
+
 from conftest import SCRIPTS, free_port, trainaccel_cmd
 
 TIMEOUT_S = 5
@@ -13,6 +15,7 @@ def _start(*args) -> subprocess.Popen:
     return subprocess.Popen([str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.multiprocess
 def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
     began = time.monotonic()
     # Both jobs at once (they mostly wait): one rank hangs; one emulated node's only worker dies.

@@ -4,6 +4,8 @@ import pytest
 
 from conftest import SCRIPTS, read_ranks, run, torchrun_cmd
 
+pytestmark = pytest.mark.multiprocess
+
 N = 1000  # elements in the test parameter (hook_numerics.py)
 
 

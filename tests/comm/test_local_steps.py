@@ -8,6 +8,7 @@ from conftest import SCRIPTS, read_ranks, run, torchrun_cmd
 from trainaccel.comm import LocalSteps
 
 
+@pytest.mark.multiprocess
 def test_every_n_passes_equals_a_large_batch_step_with_one_reduction(tmp_path):
     proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", SCRIPTS / "local_steps.py", tmp_path])
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import SCRIPTS, run_nodes
 
+pytestmark = pytest.mark.multiprocess
+
 CODECS = ["none", "fp16", "bf16", "topk", "randomk", "powersgd"]
 SETTINGS = [
     "plain",

@@ -4,6 +4,8 @@ import pytest
 
 from conftest import SCRIPTS, read_ranks, run_nodes
 
+pytestmark = pytest.mark.multiprocess
+
 N, MATRIX = 10_001, 64 * 48
 TOTAL = N + MATRIX
 

@@ -10,6 +10,8 @@ import torch
 
 from conftest import SCRIPTS, run, trainaccel_cmd
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS, FAIL_AT, LAST_CHECKPOINT = 10, 5, 4
 
 

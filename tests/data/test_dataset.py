@@ -97,6 +97,7 @@ def test_corruption_is_reported_through_the_dataset(tmp_path):
         dataset[5]
 
 
+@pytest.mark.multiprocess  # DataLoader workers
 def test_two_ranks_two_workers_cover_the_epoch_once(tmp_path):
     dataset = RecordDataset(write_shards(tmp_path / "s") / "*.tfrecord", output="bytes")
     seen = []
@@ -118,6 +119,7 @@ def test_two_ranks_two_workers_cover_the_epoch_once(tmp_path):
     assert list(again) != seen[0]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_under_trainaccel_run_cover_each_epoch_once_and_resume(tmp_path):
     shards = write_shards(tmp_path / "s", shards=5, per_shard=5)  # 25 records: rank parts padded to 13
     out = tmp_path / "out"
@@ -155,6 +157,7 @@ def test_uneven_sizes_are_padded_or_dropped(tmp_path):
     assert dropped == [[0, 1], [2, 3]]
 
 
+@pytest.mark.multiprocess  # DataLoader workers
 def test_resume_mid_epoch_gives_exactly_the_remaining_samples(tmp_path):
     dataset = RecordDataset(write_shards(tmp_path / "s") / "*", output="bytes")
     sampler = ShardSampler(dataset, num_replicas=2, rank=1, seed=5)

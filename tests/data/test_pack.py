@@ -42,6 +42,7 @@ def pack(*args):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+@pytest.mark.multiprocess
 def test_make_list_and_labels(tmp_path):
     images = make_images(tmp_path / "img")
     proc = run([*trainaccel_cmd(), "pack", "make-list", images, tmp_path / "train.txt"])  # the console script
@@ -95,6 +96,7 @@ def test_a_damaged_image_is_listed_or_stops_the_pack(tmp_path, on_error):
     assert len(records) == 5 and [s["path"] for s in manifest["skipped"]] == ["class1/001.jpg"]
 
 
+@pytest.mark.multiprocess  # a process pool
 def test_list_and_workers_give_the_same_shards(tmp_path):
     images = make_images(tmp_path / "img")
     assert pack("make-list", images, tmp_path / "train.txt").returncode == 0
@@ -117,6 +119,7 @@ def test_bad_arguments_name_the_value(tmp_path):
     assert proc.returncode == 2 and "bad.txt:2: expected `relative/path label`" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_a_killed_pack_resumes_to_exactly_one_copy_of_every_image(tmp_path):
     images = make_images(tmp_path / "img", classes=4, per_class=60, size=(400, 300))
     out = tmp_path / "out"

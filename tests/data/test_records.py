@@ -125,6 +125,7 @@ class _Payloads(torch.utils.data.Dataset):
         return ImageRecord.from_example(self.records[i]).label
 
 
+@pytest.mark.multiprocess  # DataLoader workers
 def test_a_record_file_goes_to_dataloader_workers(tmp_path):
     shard = tmp_path / "a.tfrecord"
     write_shard(shard, images(12))

@@ -52,6 +52,7 @@ def _assert_same_tables(loaded: dict, truth: dict) -> None:
             assert torch.equal(loaded[table][field], value), f"{table}/{field}"
 
 
+@pytest.mark.multiprocess  # saved_at_two launches the workers
 def test_sharded_training_equals_one_table_on_the_global_batch(saved_at_two):
     assert sorted(p.name for p in saved_at_two.glob("shard-*")) == [
         "shard-00000-of-00002.safetensors",
@@ -59,6 +60,7 @@ def test_sharded_training_equals_one_table_on_the_global_batch(saved_at_two):
     ]
 
 
+@pytest.mark.multiprocess  # saved_at_two launches the workers
 def test_save_at_two_load_at_one(saved_at_two, tmp_path):
     collection = ShardedEmbeddingCollection(TABLES)  # no process group: one rank holds everything
     SparseAdagrad(collection)
@@ -68,6 +70,7 @@ def test_save_at_two_load_at_one(saved_at_two, tmp_path):
     assert collection.shards["a"].step == 4
 
 
+@pytest.mark.multiprocess
 def test_save_at_two_load_at_three(saved_at_two, tmp_path):
     run_checks("sharded_embedding.py", tmp_path, 3, "load", saved_at_two)
     loaded_files = sorted(saved_at_two.glob("loaded-3-*.pt"))
@@ -78,6 +81,7 @@ def test_save_at_two_load_at_three(saved_at_two, tmp_path):
     _assert_same_tables(_merged(loaded_files), _merged(sorted(saved_at_two.glob("truth-*.pt"))))
 
 
+@pytest.mark.multiprocess  # saved_at_two launches the workers
 def test_load_names_what_does_not_fit(saved_at_two, tmp_path):
     with pytest.raises(ValueError, match=r"tables \{'a': 4, 'b': 3\}, this collection \{'a': 8\}"):
         checkpoint.load(ShardedEmbeddingCollection({"a": 8}), saved_at_two)

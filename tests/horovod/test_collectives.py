@@ -5,6 +5,7 @@ import pytest
 from conftest import run, run_checks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("workers", [3])  # 3 splits unevenly; 2 added only time
 def test_collectives_and_errors(tmp_path, workers):
     ranks = run_checks("horovod_collectives.py", tmp_path, workers, workers)
@@ -14,6 +15,7 @@ def test_collectives_and_errors(tmp_path, workers):
     assert "rank 0 (2,), rank 1 (3,)" in messages.pop()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("workers", [3])  # 3 splits unevenly; 2 added only time
 def test_process_sets_join_gradients_and_reinit(tmp_path, workers):
     ranks = run_checks("horovod_more.py", tmp_path, workers)
@@ -26,6 +28,7 @@ def test_process_sets_join_gradients_and_reinit(tmp_path, workers):
     assert ranks[1]["errors"]["allgather after join"].startswith("allgather: ranks [0] have joined")
 
 
+@pytest.mark.multiprocess
 def test_single_process_is_a_job_of_one():
     code = (
         "import torch, trainaccel.horovod as hvd; hvd.init(); "

@@ -5,11 +5,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conftest import SCRIPTS, run, trainaccel_cmd
+
+pytestmark = pytest.mark.multiprocess
 
 N = 80  # samples in the script's dataset
 

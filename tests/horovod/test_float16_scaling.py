@@ -4,6 +4,8 @@ import pytest
 
 from conftest import SCRIPTS, run_checks
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = r'''
 import sys
 

@@ -9,6 +9,8 @@ from torch import nn
 
 from conftest import SCRIPTS, run, run_checks, trainaccel_cmd
 
+pytestmark = pytest.mark.multiprocess
+
 
 def reference(world: int, passes: int) -> list[torch.Tensor]:
     """One process, the same data: each step's batch is every rank's batches together."""

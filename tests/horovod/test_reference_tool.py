@@ -3,7 +3,11 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import run
+
+pytestmark = pytest.mark.multiprocess
 
 TOOL = Path(__file__).parents[2] / "tools" / "horovod_reference.py"
 

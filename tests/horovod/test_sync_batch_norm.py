@@ -75,6 +75,7 @@ def check_against_batch_norm(records: list[dict]) -> None:
         torch.testing.assert_close(torch.cat([rec["eval"]["out"] for rec in records]), want, **tol)
 
 
+@pytest.mark.multiprocess  # launched starts the workers
 @pytest.mark.parametrize("workers, case", [(2, c) for c in CASES] + [(3, c) for c in CASES])
 def test_workers_match_one_batch_norm_over_the_joined_batch(launched, workers, case):
     records = [ranks[case] for ranks in launched(workers)]
@@ -83,6 +84,7 @@ def test_workers_match_one_batch_norm_over_the_joined_batch(launched, workers, c
     check_against_batch_norm(records)
 
 
+@pytest.mark.multiprocess  # launched starts the workers
 def test_process_sets_normalize_over_their_own_workers_only(launched):
     records = [ranks["process_sets"] for ranks in launched(3)]
     assert [rec["ranks"] for rec in records] == [[0, 1], [0, 1], [2]]

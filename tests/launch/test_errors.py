@@ -4,6 +4,8 @@ import pytest
 
 from conftest import SCRIPTS, run, trainaccel_cmd
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.parametrize(
     "flags, env, expected",

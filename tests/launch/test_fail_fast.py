@@ -7,6 +7,7 @@ rank 0 checkpoints every 2 steps, so the last checkpoint before the failure is s
 import os
 import time
 
+import pytest
 import torch
 
 from conftest import SCRIPTS, run, trainaccel_cmd
@@ -28,6 +29,7 @@ def final(out_dir) -> dict:
     return torch.load(out_dir / "final.pt")
 
 
+@pytest.mark.multiprocess
 def test_failing_worker_stops_the_job_with_its_error(tmp_path):
     proc, elapsed = launch(tmp_path / "job")
     output = proc.stdout + proc.stderr
@@ -43,6 +45,7 @@ def test_failing_worker_stops_the_job_with_its_error(tmp_path):
     assert torch.load(tmp_path / "job" / "checkpoint.pt")["step"] == LAST_CHECKPOINT
 
 
+@pytest.mark.multiprocess
 def test_restart_resumes_from_the_last_checkpoint_with_the_same_result(tmp_path):
     proc, _ = launch(tmp_path / "restarted", "--max-restarts", 1)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -41,6 +41,7 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+@pytest.mark.multiprocess
 def test_dry_run_prints_one_torchrun_per_host(tmp_path):
     proc = run(
         [
@@ -83,6 +84,7 @@ def test_dry_run_prints_one_torchrun_per_host(tmp_path):
         assert argv[-5:] == ["-m", "trainaccel.launch.bootstrap", "train.py", "--epochs", "3"]
 
 
+@pytest.mark.multiprocess
 def test_hostfile_and_partial_np(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA slots=4\nnodeB slots=4\n")
@@ -96,6 +98,7 @@ def test_hostfile_and_partial_np(tmp_path):
     assert all(a[-3:] == ["trainaccel.launch.bootstrap", "--module", "pkg.train"] for a in inner)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -114,6 +117,7 @@ def test_bad_host_lists_fail_with_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_single_host_dry_run_routes_through_bootstrap():
     proc = run([*trainaccel_cmd(), "run", "--nproc_per_node", "2", "--bucket_mb", "4", "--dry-run", "train.py", "-x"])
     assert proc.returncode == 0, proc.stderr

@@ -2,7 +2,11 @@
 
 import sys
 
+import pytest
+
 from conftest import SCRIPTS, free_port, read_ranks, run, torchrun_cmd, trainaccel_cmd
+
+pytestmark = pytest.mark.multiprocess
 
 SCRIPT = SCRIPTS / "plain_ddp.py"
 PARAMS = 32 * 64 + 64 + 64 * 4 + 4  # the script's model
