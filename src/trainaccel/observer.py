@@ -206,10 +206,11 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     if not _observers:
         return
     groups = optimizer.param_groups
-    count, held = _held.get(optimizer, (-1, frozenset()))
-    if count != sum(len(g["params"]) for g in groups):  # new or grown (add_param_group)
+    count = sum(len(g["params"]) for g in groups)
+    seen, held = _held.get(optimizer, (-1, frozenset()))
+    if seen != count:  # new or grown (add_param_group)
         held = frozenset(id(p) for g in groups for p in g["params"])
-        _held[optimizer] = (sum(len(g["params"]) for g in groups), held)
+        _held[optimizer] = (count, held)
     for observer in list(_observers):
         if not held.isdisjoint(observer._params):
             observer.optimizer_steps += 1
