@@ -180,6 +180,20 @@ def run_nodes(
     return done
 
 
+def worker_loader(dataset, **kwargs):
+    """A DataLoader with two workers started by a fork server, each batch due within two minutes.
+
+    The test process holds threads that earlier tests left behind (Gloo's, until their groups are
+    collected); a worker forked from it copies them mid-work and once crashed, once hung. A fork
+    server is a fresh process, and the timeout turns any hang into an error naming it.
+    """
+    import torch
+
+    return torch.utils.data.DataLoader(
+        dataset, num_workers=2, multiprocessing_context="forkserver", timeout=120, **kwargs
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

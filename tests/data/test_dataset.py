@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from tfrecord.writer import TFRecordWriter
 
-from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd
+from conftest import SCRIPTS, read_ranks, run, trainaccel_cmd, worker_loader
 from trainaccel.data import CorruptRecordError, ImageRecord, RecordDataset, RecordWriter, ShardSampler
 from trainaccel.data.pack import PackOptions, folder_items, pack
 
@@ -104,7 +104,7 @@ def test_two_ranks_two_workers_cover_the_epoch_once(tmp_path):
     for rank in range(2):
         sampler = ShardSampler(dataset, num_replicas=2, rank=rank, seed=3, window=4)
         sampler.set_epoch(1)
-        loader = torch.utils.data.DataLoader(_Indices(dataset), batch_size=3, sampler=sampler, num_workers=2)
+        loader = worker_loader(_Indices(dataset), batch_size=3, sampler=sampler)
         seen.append(torch.cat(list(loader)).tolist())
     assert len(seen[0]) == len(seen[1]) == 12 and sorted(seen[0] + seen[1]) == list(range(24))
     assert seen[0] + seen[1] != list(range(24))  # shuffled
@@ -163,7 +163,7 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_samples(tmp_path):
     sampler = ShardSampler(dataset, num_replicas=2, rank=1, seed=5)
     sampler.set_epoch(4)
     full = list(sampler)
-    loader = iter(torch.utils.data.DataLoader(_Indices(dataset), batch_size=2, sampler=sampler, num_workers=2))
+    loader = iter(worker_loader(_Indices(dataset), batch_size=2, sampler=sampler))
     consumed = [next(loader).tolist() for _ in range(2)]
     state = sampler.state_dict(consumed=4)  # what the loop used; the loader has fetched ahead
     resumed = ShardSampler(dataset, num_replicas=2, rank=1, seed=5)

@@ -8,6 +8,7 @@ from tfrecord.reader import tfrecord_loader
 from tfrecord.tools.tfrecord2idx import create_index
 from tfrecord.writer import TFRecordWriter
 
+from conftest import worker_loader
 from trainaccel.data import (
     CorruptRecordError,
     ImageRecord,
@@ -132,7 +133,7 @@ def test_a_record_file_goes_to_dataloader_workers(tmp_path):
     records = RecordFile(shard)
     records[0]  # opened here first: the workers must map the file themselves
     assert pickle.loads(pickle.dumps(records))._map is None
-    loader = torch.utils.data.DataLoader(_Payloads(records), batch_size=3, num_workers=2)
+    loader = worker_loader(_Payloads(records), batch_size=3)
     assert torch.cat(list(loader)).tolist() == [i.label for i in images(12)]
 
 
