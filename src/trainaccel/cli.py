@@ -13,7 +13,9 @@ USAGE = """trainaccel {run,info,demo,bench,pack} ...
          trainaccel options and -np/-H host lists); see `trainaccel run --help`
   info   versions, backends, devices and the resolved configuration
   demo   train a small model on 2 local CPU workers, plain DDP vs trainaccel
-  bench  benchmarks: `trainaccel bench train` (baseline, trainaccel, local arms),
+  bench  benchmarks: `trainaccel bench quality` (time to a target validation loss
+         on real tasks, every arm side by side), `trainaccel bench train`
+         (examples/s: baseline, torch's fp16/bf16 hooks, trainaccel, local arms),
          `trainaccel bench comm` (allreduce bandwidth over message sizes),
          `trainaccel bench data` (images/s of input pipelines),
          `trainaccel bench embedding` (lookups/s of embedding training steps)
@@ -39,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo)
     bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
-        dest="benchmark", metavar="{train,comm,data,embedding}", required=True
+        dest="benchmark", metavar="{quality,train,comm,data,embedding}", required=True
+    )
+    from trainaccel.bench.quality import add_arguments as add_quality_arguments
+
+    add_quality_arguments(
+        bench.add_parser("quality", help="time to a target validation loss on real tasks, arms side by side")
     )
     from trainaccel.bench.comm import add_arguments as add_comm_arguments
     from trainaccel.bench.train import add_arguments as add_train_arguments
@@ -75,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "bench" and args.benchmark == "quality":
+        from trainaccel.bench.quality import main as quality_main
+
+        return quality_main(args)
     if args.command == "bench" and args.benchmark == "train":
         from trainaccel.bench.train import main as train_main
 

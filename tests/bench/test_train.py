@@ -30,7 +30,7 @@ def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_op
             "--batch-size",
             "4",
             "--arms",
-            "baseline,local",
+            "baseline,torch-fp16,local",
             "--variant",
             "sparse:compression=randomk,compression-ratio=0.25",
             "--variant",
@@ -49,7 +49,7 @@ def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_op
     assert report["benchmark"] == "train" and report["command"][:3] == ["trainaccel", "bench", "train"]
     assert report["settings"]["repeats"] == 1 and report["machine"]["cpus"] >= 1
     arms = report["arms"]
-    assert sorted(arms) == ["baseline", "fast", "local", "sparse"]
+    assert sorted(arms) == ["baseline", "fast", "local", "sparse", "torch-fp16"]
     for arm in arms.values():
         assert len(arm["examples_per_s_per_worker"]) == 1
         assert 0 < arm["min"] <= arm["median"] <= arm["max"]
@@ -63,6 +63,9 @@ def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_op
     assert arms["fast"]["bytes_per_step"] == MLP_PARAMETERS * 2
     assert arms["fast"]["comm_hook"] == "trainaccel_comm_hook"
     assert arms["local"]["bytes_per_step"] == 0 and arms["local"]["comm_hook"] == "no_communication"
+    # The strongest baseline without trainaccel: torch's own fp16 hook, half of every gradient.
+    assert arms["torch-fp16"]["bytes_per_step"] == MLP_PARAMETERS * 2
+    assert arms["torch-fp16"]["comm_hook"] == "fp16_compress_hook"
     # The variant's flags beat the env; randomk sends every 4th element of each bucket.
     assert abs(arms["sparse"]["bytes_per_step"] - MLP_PARAMETERS) <= 16
     assert report["arm_options"]["sparse"] == {"compression": "randomk", "compression_ratio": "0.25"}

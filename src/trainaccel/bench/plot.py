@@ -56,3 +56,22 @@ def plot_comm(rows: list[dict], title: str, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_quality(summary: dict[str, dict], title: str, path: str | Path) -> None:
+    """Validation loss against training seconds, one line per arm (its first repeat), the target dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, s in summary.items():
+        curve = s["curves"][0]
+        ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=arm)
+    target = next((s["target_loss"] for s in summary.values() if s.get("target_loss") is not None), None)
+    if target is not None:
+        ax.axhline(target, linestyle="--", color="gray", label="target (plain DDP + tolerance)")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

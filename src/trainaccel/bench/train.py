@@ -15,7 +15,7 @@ from trainaccel.bench.models import MODELS
 from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.recsys import RECSYS_MODELS
 from trainaccel.bench.recsys_worker import ARMS as RECSYS_ARMS  # no "local": the embedding exchange is the model
-from trainaccel.bench.worker import ARMS
+from trainaccel.bench.worker import ARMS, cuda_available
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
 
@@ -62,26 +62,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
 
 
-def _arms(text: str | None, model: str) -> list[str]:
-    accepted = RECSYS_ARMS if model in RECSYS_MODELS else ARMS
+def parse_arms(text: str | None, accepted: tuple[str, ...], what: str = "") -> list[str]:
+    """`--arms a,b` -> [a, b], each one of `accepted`, none twice; without the flag, every arm that runs here."""
     if text is None:
-        return list(accepted)
+        return [a for a in accepted if a != "torch-bf16" or cuda_available()]
     arms = [a.strip() for a in text.split(",") if a.strip()]
     bad = [a for a in arms if a not in accepted]
     if bad or not arms or len(set(arms)) != len(arms):
+        raise ValueError(f"invalid --arms {text!r}{what}; accepted: a comma-separated subset of {', '.join(accepted)}")
+    if "torch-bf16" in arms and not cuda_available():
         raise ValueError(
-            f"invalid --arms {text!r} for {model}; accepted: a comma-separated subset of {', '.join(accepted)}"
+            "arm torch-bf16 needs CUDA and NCCL (torch's bf16_compress_hook refuses Gloo); use torch-fp16 here"
         )
     return arms
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+def parse_variant(text: str, reserved: tuple[str, ...] = ARMS) -> tuple[str, dict[str, str]]:
     """`LABEL:opt=value,...` -> (label, options), each option checked as trainaccel checks it."""
     label, sep, rest = text.partition(":")
     label = label.strip()
-    if not sep or not label or label in ARMS or any(c.isspace() for c in label):
+    if not sep or not label or label in reserved or any(c.isspace() for c in label):
         raise ValueError(
-            f"invalid --variant {text!r}; accepted: LABEL:option=value,... with a label other than {', '.join(ARMS)}"
+            f"invalid --variant {text!r}; accepted: LABEL:option=value,... with a label other than "
+            f"{', '.join(reserved)}"
         )
     options: dict[str, str] = {}
     for item in filter(None, (i.strip() for i in rest.split(","))):
@@ -192,7 +195,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         _check(args)
-        arms = _arms(args.arms, args.model)
+        recsys = args.model in RECSYS_MODELS
+        arms = parse_arms(args.arms, RECSYS_ARMS if recsys else ARMS, f" for {args.model}")
         variants = dict(parse_variant(v) for v in args.variant)
         if len(variants) != len(args.variant):
             raise ValueError("each --variant needs its own label")

@@ -1,7 +1,9 @@
 """One arm of `trainaccel bench train`: a DDP training loop on synthetic data, timed after warm-up.
 
-Arms: baseline (plain DDP under torchrun), trainaccel (the same, under `trainaccel run`),
-local (no gradient exchange: DDP whose hook communicates nothing, the compute-only ceiling).
+Arms: baseline (plain DDP under torchrun), torch-bf16 and torch-fp16 (DDP with torch's own
+`bf16_compress_hook` / `fp16_compress_hook`: the strongest baseline that needs no trainaccel),
+trainaccel (the same script, under `trainaccel run`), local (no gradient exchange: DDP whose hook
+communicates nothing, the compute-only ceiling).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -15,6 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.amp import scaled
@@ -23,7 +26,13 @@ from trainaccel.comm import bytes_per_step, bytes_sent
 from trainaccel.compiler import is_compiled
 from trainaccel.monitor.metrics import peak_memory_bytes
 
-ARMS = ("baseline", "trainaccel", "local")
+ARMS = ("baseline", "torch-bf16", "torch-fp16", "trainaccel", "local")
+TORCH_HOOKS = {"torch-bf16": default_hooks.bf16_compress_hook, "torch-fp16": default_hooks.fp16_compress_hook}
+
+
+def cuda_available() -> bool:
+    """Whether workers will run on GPUs (torch's bf16 hook refuses to run without CUDA and NCCL)."""
+    return torch.cuda.is_available()
 
 
 def no_communication(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -31,6 +40,23 @@ def no_communication(state: object, bucket: dist.GradBucket) -> torch.futures.Fu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+def set_up_arm(model: DistributedDataParallel, arm: str) -> None:
+    """Give the model the arm's communication hook: none, nothing (local), or torch's own bf16/fp16 one."""
+    if arm == "local":
+        model.register_comm_hook(None, no_communication)
+    elif arm in TORCH_HOOKS:
+        model.register_comm_hook(None, TORCH_HOOKS[arm])
+
+
+def sent_per_step(model: DistributedDataParallel, arm: str, sent_before: int, steps: int) -> float:
+    """Bytes each worker sent per step: nothing (local), half of every gradient (torch's hooks), or as measured."""
+    if arm == "local":
+        return 0.0
+    if arm in TORCH_HOOKS:
+        return float(sum(p.numel() * 2 for p in model.parameters() if p.requires_grad))
+    return bytes_per_step(model, sent_before, steps)
 
 
 def start_process_group() -> torch.device:
@@ -95,8 +121,7 @@ def main() -> None:
     model = DistributedDataParallel(
         spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
-    if args.arm == "local":
-        model.register_comm_hook(None, no_communication)
+    set_up_arm(model, args.arm)
     optimizer = scaled(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))  # loss scaling if amp=fp16
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, *spec.example_shape(args.image_size), generator=g).to(device)
@@ -126,7 +151,7 @@ def main() -> None:
             "world_size": world,
             "examples_per_s_per_worker": args.batch_size * timed / elapsed,
             "step_time_s": elapsed / timed,
-            "bytes_per_step": 0.0 if args.arm == "local" else bytes_per_step(model, sent_before, timed),
+            "bytes_per_step": sent_per_step(model, args.arm, sent_before, timed),
             "peak_memory_bytes": peak,
             "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
             "parameters": sum(p.numel() for p in model.parameters()),
@@ -136,11 +161,16 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
+    model = optimizer = None  # drops them (and the closures' references) before the group goes
+    release_process_group()
+
+
+def release_process_group() -> None:
+    """Leave the job; drop the DDP model first, so that its reducer does not outlive the group."""
     # Gloo's thread frees the last collective's work after it completes, and that takes the GIL;
     # destroying the group (here, or by the DDP model's reducer on return) holds the GIL and waits
     # for that thread's lock. Releasing the GIL first avoids the deadlock (torch 2.13, Gloo).
     time.sleep(0.05)
-    model = optimizer = None  # drops them (and the closures' references) before the group goes
     dist.destroy_process_group()
 
 

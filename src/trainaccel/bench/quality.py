@@ -1,0 +1,230 @@
+"""`trainaccel bench quality`: time to a target validation loss on real tasks, every arm side by side.
+
+Each arm trains the same task from the same initial model for the same number of steps; arms are
+interleaved over repeats. Reported per arm: training seconds, final validation loss and accuracy,
+quality against plain DDP, time to the target loss (plain DDP's final loss plus the tolerance),
+speedup against plain DDP and share of the no-communication ceiling, both paired by repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
+from trainaccel.bench.jobs import bench_session, report_header, run_workers
+from trainaccel.bench.plot import check_available, plot_quality
+from trainaccel.bench.tasks import TASKS
+from trainaccel.bench.train import parse_arms, parse_variant
+from trainaccel.bench.worker import ARMS
+from trainaccel.config import Config, ConfigError
+from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
+
+WORKER_MODULE = "trainaccel.bench.quality_worker"
+# A lossy arm keeps quality when its final validation loss is within this of plain DDP's.
+TOLERANCE = 0.02
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", default="text", choices=list(TASKS), help="what to train (default text)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: the task's, 300)")
+    parser.add_argument("--batch-size", type=int, help="examples per worker per step (default: the task's)")
+    parser.add_argument("--eval-every", type=int, help="validate every N steps (default: steps / 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
+    parser.add_argument(
+        "--arms",
+        help=f"comma-separated subset of {', '.join(ARMS)} (default all but torch-bf16 on CPU, where torch's "
+        "bf16 hook refuses to run)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:OPTIONS",
+        help="an extra trainaccel arm with its own options, e.g. 'topk:compression=topk' (repeatable)",
+    )
+    parser.add_argument(
+        "--emulate",
+        metavar="SPEC",
+        help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results, loss curves included, as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write the validation loss curves (needs trainaccel[plot])")
+    Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
+
+
+def _check(args: argparse.Namespace) -> None:
+    task = TASKS[args.task]
+    args.steps = task.steps if args.steps is None else args.steps
+    args.batch_size = task.batch_size if args.batch_size is None else args.batch_size
+    args.eval_every = max(1, args.steps // 10) if args.eval_every is None else args.eval_every
+    for flag in ("steps", "batch_size", "eval_every", "repeats", "nproc_per_node"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"invalid --{flag.replace('_', '-')} {getattr(args, flag)}; accepted: an integer >= 1")
+
+
+def _run_arm(
+    arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, cluster: EmulatedCluster | None, port: int
+) -> dict:
+    if arm == "trainaccel":
+        launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
+    else:
+        launcher, env = TORCHRUN, plain_env()
+    worker = [
+        "-m",
+        WORKER_MODULE,
+        f"--arm={arm}",
+        f"--task={args.task}",
+        f"--batch-size={args.batch_size}",
+        f"--steps={args.steps}",
+        f"--eval-every={args.eval_every}",
+        f"--out={out}",
+    ]
+    return run_workers(
+        f"arm {arm}", launcher, worker, out, env, nproc_per_node=args.nproc_per_node, cluster=cluster, port=port
+    )
+
+
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """Training seconds at the first validation after step 0 whose loss is at most `target`; None if none is."""
+    return next((seconds for step, seconds, loss, _ in curve if step > 0 and loss <= target), None)
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Medians per arm; speedups and shares are paired by repeat, then the median taken."""
+    base, local = runs.get("baseline"), runs.get("local")
+    target = statistics.median(r["final_validation_loss"] for r in base) * (1 + TOLERANCE) if base else None
+    summary = {}
+    for arm, results in runs.items():
+        entry = {
+            "seconds": [r["seconds"] for r in results],
+            "median_seconds": statistics.median(r["seconds"] for r in results),
+            "validation_loss": statistics.median(r["final_validation_loss"] for r in results),
+            "validation_accuracy": statistics.median(r["final_validation_accuracy"] for r in results),
+            "bytes_per_step": results[-1]["bytes_per_step"],
+            "comm_hook": results[-1]["comm_hook"],
+            "parameters": results[-1]["parameters"],
+            "curves": [r["curve"] for r in results],
+        }
+        if base:
+            entry["loss_vs_baseline"] = (
+                entry["validation_loss"] / statistics.median(b["final_validation_loss"] for b in base) - 1
+            )
+            entry["keeps_quality"] = arm == "local" or entry["loss_vs_baseline"] <= TOLERANCE
+            entry["target_loss"] = target
+            reached = [time_to(r["curve"], target) for r in results]
+            entry["seconds_to_target"] = reached
+            if all(t is not None for t in reached):
+                entry["median_seconds_to_target"] = statistics.median(reached)
+                base_reached = [time_to(b["curve"], target) for b in base]
+                entry["speedup_to_target"] = statistics.median(b / t for b, t in zip(base_reached, reached))
+            entry["speedup"] = statistics.median(b["seconds"] / r["seconds"] for r, b in zip(results, base))
+        if local:
+            entry["share_of_ceiling"] = statistics.median(c["seconds"] / r["seconds"] for r, c in zip(results, local))
+        summary[arm] = entry
+    return summary
+
+
+def render(summary: dict[str, dict], title: str, metric: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    columns = ["arm", "seconds", "vs baseline", "of ceiling", "val loss", "loss vs baseline", metric]
+    columns += ["to target", "speedup to target", "sent/step"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "arm" else "right", no_wrap=column == "arm")
+    for arm, s in summary.items():
+        ratio, share, delta = s.get("speedup"), s.get("share_of_ceiling"), s.get("loss_vs_baseline")
+        to_target = s.get("median_seconds_to_target")
+        local = arm == "local"
+        table.add_row(
+            arm,
+            f"{s['median_seconds']:.1f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            "-" if share is None else f"{share:.0%}",
+            f"{s['validation_loss']:.4f}",
+            "-" if delta is None or local else f"{delta:+.1%}",
+            f"{s['validation_accuracy']:.1%}",
+            "-" if local else ("not reached" if to_target is None and delta is not None else f"{to_target:.1f} s"),
+            "-" if local or s.get("speedup_to_target") is None else f"{s['speedup_to_target']:.2f}x",
+            f"{s['bytes_per_step'] / 2**20:.2f} MiB",
+        )
+    Console(width=max(120, Console().width)).print(table)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    try:
+        _check(args)
+        arms = parse_arms(args.arms, ARMS)
+        variants = dict(parse_variant(v, ARMS) for v in args.variant)
+        if len(variants) != len(args.variant):
+            raise ValueError("each --variant needs its own label")
+        emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
+        flags = Config.flags_from(args)
+        config = Config.resolve(flags=flags)
+        if args.plot:
+            check_available()
+        task = TASKS[args.task]
+        task.load()  # its data is there (or the error says what to install) before any worker starts
+    except (ValueError, ConfigError, RuntimeError) as e:
+        print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
+        return 2
+    options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
+    arm_options = {arm: options for arm in arms} | variants
+    runs: dict[str, list[dict]] = {arm: [] for arm in arm_options}
+    try:
+        with bench_session(emulation) as (tmp, cluster), Progress() as progress:
+            task_bar = progress.add_task(f"bench quality {args.task}", total=args.repeats * len(runs))
+            for repeat in range(args.repeats):
+                for i, arm in enumerate(runs):  # interleaved: drift on a shared machine hits every arm alike
+                    progress.update(task_bar, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
+                    out = tmp / f"arm{i}-{repeat}.json"
+                    port = 29500 + repeat * len(runs) + i  # a fresh port: no TIME_WAIT from the last run
+                    kind = arm if arm in ARMS else "trainaccel"
+                    result = _run_arm(kind, args, arm_options[arm], out, cluster, port)
+                    runs[arm].append(result)
+                    progress.console.print(
+                        f"{arm}, repeat {repeat + 1}/{args.repeats}: {result['seconds']:.1f} s, "
+                        f"validation loss {result['final_validation_loss']:.4f}, "
+                        f"{task.metric} {result['final_validation_accuracy']:.1%}"
+                    )
+                    progress.advance(task_bar)
+    except (RuntimeError, EmulationError) as e:
+        print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("trainaccel bench quality: interrupted; workers stopped and namespaces removed", file=sys.stderr)
+        return 130
+    summary = summarize(runs)
+    workers = (
+        f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"
+        if emulation
+        else f"{args.nproc_per_node} workers"
+    )
+    title = (
+        f"bench quality {args.task}: {args.steps} steps, {workers} x batch {args.batch_size}, "
+        f"median of {args.repeats}; target loss = plain DDP's + {TOLERANCE:.0%}"
+        + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
+    )
+    render(summary, title, task.metric)
+    if args.plot:
+        plot_quality(summary, title, args.plot)
+    if args.json:
+        report = {
+            **report_header("quality", args),
+            "task": task.description,
+            "tolerance": TOLERANCE,
+            "trainaccel_config": config.describe(),
+            "arm_options": {arm: arm_options[arm] for arm in runs if arm not in ARMS or arm == "trainaccel"},
+            "arms": summary,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0

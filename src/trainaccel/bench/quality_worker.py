@@ -1,0 +1,106 @@
+"""One arm of `trainaccel bench quality`: a real task trained for a fixed number of steps, validated as it goes.
+
+Arms: baseline (plain DDP under torchrun), torch-bf16 and torch-fp16 (DDP with torch's own
+`bf16_compress_hook` / `fp16_compress_hook`), trainaccel (the same script under `trainaccel run`),
+local (no gradient exchange: the compute-only ceiling; its replicas drift apart, so its quality
+is rank 0's alone). The clock runs during training steps only, not during validation.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainaccel.amp import scaled
+from trainaccel.bench.tasks import get_task, warmup_cosine
+from trainaccel.bench.worker import ARMS, release_process_group, sent_per_step, set_up_arm, start_process_group
+from trainaccel.comm import bytes_sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--eval-every", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    device = start_process_group()
+    rank = dist.get_rank()
+    task = get_task(args.task)
+    train, validation = task.load()
+    validation = type(validation)(validation.inputs.to(device), validation.targets.to(device))
+    torch.manual_seed(args.seed)  # the same initial model on every rank and in every arm
+    model = DistributedDataParallel(
+        task.build().to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
+    set_up_arm(model, args.arm)
+    optimizer = scaled(task.optimizer(list(model.parameters())))  # loss scaling if trainaccel's amp=fp16
+    schedule = warmup_cosine(optimizer, args.steps)
+    draw = task.batches(train, args.batch_size, seed=args.seed * 1000 + rank)
+
+    curve = []  # (step, seconds of training so far, validation loss, validation accuracy)
+    elapsed, started = 0.0, 0.0
+
+    def start_clock() -> None:
+        nonlocal started
+        dist.barrier()  # every worker starts together: the clock measures the job
+        started = time.perf_counter()
+
+    def stop_clock_and_validate(step: int) -> None:
+        nonlocal elapsed
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        took = torch.tensor(time.perf_counter() - started, device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
+        elapsed += float(took)
+        loss, accuracy = task.evaluate(model.module, validation)
+        curve.append([step, elapsed, loss, accuracy])
+
+    sent_before = bytes_sent(model)
+    curve.append([0, 0.0, *task.evaluate(model.module, validation)])
+    start_clock()
+    for step in range(1, args.steps + 1):
+        x, y = (t.to(device) for t in draw())
+        loss = task.loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            stop_clock_and_validate(step)
+            start_clock()
+    train_loss = float(loss.detach())
+    sent = sent_per_step(model, args.arm, sent_before, args.steps)
+
+    if rank == 0:
+        result = {
+            "arm": args.arm,
+            "task": args.task,
+            "world_size": dist.get_world_size(),
+            "steps": args.steps,
+            "seconds": elapsed,
+            "curve": curve,
+            "final_validation_loss": curve[-1][2],
+            "final_validation_accuracy": curve[-1][3],
+            "final_train_loss": train_loss,
+            "bytes_per_step": sent,
+            "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    model = optimizer = schedule = None  # drops them (and the closures' references) before the group goes
+    release_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""`trainaccel bench quality`: its real tasks, its time-to-target arithmetic, and a tiny run of every arm."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run, trainaccel_cmd
+from trainaccel.bench.quality import summarize, time_to
+from trainaccel.bench.tasks import TASKS, get_task, load_text
+from trainaccel.bench.train import parse_arms
+from trainaccel.bench.worker import ARMS
+
+
+def test_text_task_is_the_python_reference_with_the_last_tenth_held_out():
+    from pydoc_data.topics import topics
+
+    train, validation = load_text(context=16)
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode()
+    cut = int(len(text) * 0.9)
+    x, y = train.take(torch.tensor([0, 1000, len(train) - 1]))
+    assert bytes(x[1].tolist()) == text[1000:1016] and bytes(y[1].tolist()) == text[1001:1017]
+    assert int(train.starts[-1]) + 17 <= cut  # no training window reaches the held-out text
+    assert len(validation) == 256 and validation.inputs.shape == (256, 16)
+    held = text[cut:]
+    first = bytes(validation.inputs[0].tolist())
+    assert held.startswith(first) and bytes(validation.targets[0].tolist()) == held[1:17]
+
+
+def test_digits_task_splits_all_1797_images_once_into_train_and_validation():
+    train, validation = get_task("digits").load()
+    assert (len(train), len(validation)) == (1437, 360)
+    assert train.inputs.shape[1:] == (1, 8, 8) and 0 <= float(train.inputs.min()) <= float(train.inputs.max()) <= 1
+    images = torch.cat([train.inputs, validation.inputs]).flatten(1)
+    assert torch.unique(images, dim=0).shape[0] >= 1790  # a few digits repeat in the data itself, not in our split
+    assert sorted(torch.cat([train.targets, validation.targets]).bincount().tolist())[0] >= 170  # ten classes
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_each_task_learns_in_a_few_steps_and_evaluates_deterministically(name):
+    task = TASKS[name]
+    train, validation = task.load()
+    torch.manual_seed(0)
+    model = task.build()
+    before = task.evaluate(model, validation)
+    assert task.evaluate(model, validation) == before
+    optimizer = task.optimizer(list(model.parameters()))
+    draw = task.batches(train, 16, seed=1)
+    for _ in range(8):
+        x, y = draw()
+        loss = task.loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after = task.evaluate(model, validation)
+    assert after[0] < before[0] and 0 <= after[1] <= 1
+
+
+def test_the_optimizers_are_the_ones_users_pick():
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(TASKS["text"].optimizer(list(model.parameters())), torch.optim.AdamW)
+    sgd = TASKS["digits"].optimizer(list(model.parameters()))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
+
+
+def test_time_to_target_is_the_first_validation_at_or_below_it():
+    curve = [[0, 0.0, 3.0, 0.1], [10, 5.0, 2.0, 0.3], [20, 9.0, 1.5, 0.5], [30, 14.0, 1.6, 0.5]]
+    assert time_to(curve, 2.0) == 5.0 and time_to(curve, 1.55) == 9.0 and time_to(curve, 1.0) is None
+    assert time_to(curve, 3.0) == 5.0  # the untrained model does not count, even if it is good enough
+
+
+def test_summaries_pair_repeats_and_judge_quality_against_plain_ddp():
+    def result(seconds, losses):
+        curve = [[i * 10, seconds * i / (len(losses) - 1), loss, 0.5] for i, loss in enumerate(losses)]
+        return {
+            "seconds": seconds,
+            "curve": curve,
+            "final_validation_loss": losses[-1],
+            "final_validation_accuracy": 0.5,
+            "bytes_per_step": 4.0,
+            "comm_hook": None,
+            "parameters": 3,
+        }
+
+    runs = {
+        "baseline": [result(10.0, [3.0, 2.0, 1.0]), result(20.0, [3.0, 2.0, 1.0])],
+        "good": [result(5.0, [3.0, 1.01, 1.01]), result(5.0, [3.0, 2.0, 1.0])],
+        "bad": [result(2.0, [3.0, 2.0, 1.5]), result(2.0, [3.0, 2.0, 1.5])],
+        "local": [result(4.0, [3.0, 2.5, 2.0]), result(4.0, [3.0, 2.5, 2.0])],
+    }
+    s = summarize(runs)
+    assert s["baseline"]["target_loss"] == pytest.approx(1.02)
+    assert s["baseline"]["speedup"] == 1.0 and s["baseline"]["keeps_quality"]
+    assert s["good"]["speedup"] == pytest.approx(3.0)  # median of 10/5 and 20/5
+    assert s["good"]["seconds_to_target"] == [2.5, 5.0] and s["good"]["speedup_to_target"] == pytest.approx(4.0)
+    assert s["good"]["keeps_quality"] and s["good"]["loss_vs_baseline"] == pytest.approx(0.005)
+    assert not s["bad"]["keeps_quality"] and s["bad"]["loss_vs_baseline"] == pytest.approx(0.5)
+    assert s["bad"]["seconds_to_target"] == [None, None] and "speedup_to_target" not in s["bad"]
+    assert s["good"]["share_of_ceiling"] == pytest.approx(0.8) and s["baseline"]["share_of_ceiling"] == pytest.approx(
+        0.3
+    )
+
+
+def test_bad_arms_are_refused_naming_what_is_accepted():
+    with pytest.raises(ValueError, match="invalid --arms 'baseline,nope'; accepted: .*torch-fp16"):
+        parse_arms("baseline,nope", ARMS)
+    with pytest.raises(ValueError, match="invalid --arms 'local,local'"):
+        parse_arms("local,local", ARMS)
+    if not torch.cuda.is_available():
+        assert "torch-bf16" not in parse_arms(None, ARMS)
+        with pytest.raises(ValueError, match="torch-bf16 needs CUDA and NCCL"):
+            parse_arms("baseline,torch-bf16", ARMS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "invalid --steps 0; accepted: an integer >= 1"),
+        (["--task", "imagenet"], "invalid choice: 'imagenet'"),
+        (["--variant", "baseline:compression=fp16"], "with a label other than baseline"),
+    ],
+)
+def test_bad_flags_stop_before_any_worker_starts(flags, message):
+    proc = run([*trainaccel_cmd(), "bench", "quality", *flags])
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_tiny_run_of_every_arm_reports_curves_quality_and_bytes(tmp_path):
+    out = tmp_path / "quality.json"
+    proc = run(
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "quality",
+            "--task",
+            "digits",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--repeats",
+            "1",
+            "--arms",
+            "baseline,torch-fp16,trainaccel,local",
+            "--variant",
+            "fp16:compression=fp16",
+            "--json",
+            out,
+            "--plot",
+            tmp_path / "curves.png",
+        ],
+        env={"COLUMNS": "200"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "baseline, repeat 1/1:" in proc.stdout and "speedup to target" in proc.stdout
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "quality" and report["tolerance"] == 0.02
+    arms = report["arms"]
+    assert list(arms) == ["baseline", "torch-fp16", "trainaccel", "local", "fp16"]
+    parameters = arms["baseline"]["parameters"]
+    for arm in arms.values():
+        (curve,) = arm["curves"]
+        assert [c[0] for c in curve] == [0, 3, 6] and 0 < curve[1][1] < curve[2][1] == arm["median_seconds"]
+        assert curve[0][2] == arms["baseline"]["curves"][0][0][2]  # one initial model for every arm
+    # trainaccel with no options runs DDP's own allreduce: the very same trajectory as plain DDP.
+    assert arms["trainaccel"]["curves"][0][1:] != [] and [c[2:] for c in arms["trainaccel"]["curves"][0]] == [
+        c[2:] for c in arms["baseline"]["curves"][0]
+    ]
+    assert arms["baseline"]["speedup"] == 1.0 and arms["baseline"]["loss_vs_baseline"] == 0.0
+    for arm in ("torch-fp16", "fp16"):  # half precision on the wire: close to plain DDP
+        assert abs(arms[arm]["loss_vs_baseline"]) < 0.01
+    assert arms["torch-fp16"]["bytes_per_step"] == parameters * 2
+    # trainaccel's lossy codecs reduce the first step exactly (DDP's buckets are final after it), then 2 bytes each.
+    assert arms["fp16"]["bytes_per_step"] == pytest.approx((parameters * 4 + 5 * parameters * 2) / 6, abs=1)
+    assert arms["baseline"]["bytes_per_step"] == parameters * 4 and arms["local"]["bytes_per_step"] == 0
+    assert arms["local"]["share_of_ceiling"] == 1.0 and report["arm_options"]["fp16"] == {"compression": "fp16"}
