@@ -44,6 +44,7 @@ def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_op
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bench train mlp" in proc.stdout and "vs baseline" in proc.stdout
+    assert "torch-fp16, repeat 1/1:" in proc.stdout  # a line per arm and repeat as they end
     assert (tmp_path / "arms.png").read_bytes().startswith(b"\x89PNG")
     report = json.loads(out.read_text())
     assert report["benchmark"] == "train" and report["command"][:3] == ["trainaccel", "bench", "train"]

@@ -1,9 +1,10 @@
 """`trainaccel bench quality`: time to a target validation loss on real tasks, every arm side by side.
 
 Each arm trains the same task from the same initial model for the same number of steps; arms are
-interleaved over repeats. Reported per arm: training seconds, final validation loss and accuracy,
-quality against plain DDP, time to the target loss (plain DDP's final loss plus the tolerance),
-speedup against plain DDP and share of the no-communication ceiling, both paired by repeat.
+interleaved over repeats, and each repeat has its own seed. Reported per arm: training seconds,
+final validation loss and accuracy, quality against plain DDP, time to the target loss (plain
+DDP's final loss plus the tolerance), speedup against plain DDP and share of the no-communication
+ceiling, both paired by repeat.
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _run_arm(
-    arm: str, args: argparse.Namespace, options: dict[str, str], out: Path, cluster: EmulatedCluster | None, port: int
+    arm: str,
+    args: argparse.Namespace,
+    options: dict[str, str],
+    out: Path,
+    cluster: EmulatedCluster | None,
+    port: int,
+    seed: int,
 ) -> dict:
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
@@ -83,6 +90,7 @@ def _run_arm(
         f"--batch-size={args.batch_size}",
         f"--steps={args.steps}",
         f"--eval-every={args.eval_every}",
+        f"--seed={seed}",
         f"--out={out}",
     ]
     return run_workers(
@@ -189,7 +197,9 @@ def main(args: argparse.Namespace) -> int:
                     out = tmp / f"arm{i}-{repeat}.json"
                     port = 29500 + repeat * len(runs) + i  # a fresh port: no TIME_WAIT from the last run
                     kind = arm if arm in ARMS else "trainaccel"
-                    result = _run_arm(kind, args, arm_options[arm], out, cluster, port)
+                    # Each repeat its own seed (initial model and batches), the same for every arm in it: a
+                    # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
+                    result = _run_arm(kind, args, arm_options[arm], out, cluster, port, seed=repeat)
                     runs[arm].append(result)
                     progress.console.print(
                         f"{arm}, repeat {repeat + 1}/{args.repeats}: {result['seconds']:.1f} s, "

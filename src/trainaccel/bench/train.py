@@ -212,7 +212,7 @@ def main(args: argparse.Namespace) -> int:
     arm_options = {arm: options for arm in arms} | variants
     runs: dict[str, list[dict]] = {arm: [] for arm in arm_options}
     try:
-        with bench_session(emulation) as (tmp, cluster), Progress(transient=True) as progress:
+        with bench_session(emulation) as (tmp, cluster), Progress() as progress:
             task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(runs))
             for repeat in range(args.repeats):
                 for i, arm in enumerate(runs):  # interleaved: drift on a shared machine hits every arm alike
@@ -220,7 +220,12 @@ def main(args: argparse.Namespace) -> int:
                     out = tmp / f"arm{i}-{repeat}.json"
                     port = 29500 + repeat * len(runs) + i  # a fresh port: no TIME_WAIT from the last run
                     kind = arm if arm in ARMS else "trainaccel"
-                    runs[arm].append(_run_arm(kind, args, arm_options[arm], out, cluster, port))
+                    result = _run_arm(kind, args, arm_options[arm], out, cluster, port)
+                    runs[arm].append(result)
+                    progress.console.print(
+                        f"{arm}, repeat {repeat + 1}/{args.repeats}: "
+                        f"{result['examples_per_s_per_worker']:.1f} examples/s per worker"
+                    )
                     progress.advance(task)
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
