@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation
@@ -105,3 +105,37 @@ def report_header(benchmark: str, args: argparse.Namespace) -> dict:
             k: v for k, v in vars(args).items() if k not in ("command", "benchmark") and not k.startswith("trainaccel_")
         },
     }
+
+
+# run_one(arm, out, cluster, port, repeat) -> the run's result; describe(result) -> its line of progress.
+RunOne = Callable[[str, Path, EmulatedCluster | None, int, int], dict]
+
+
+def run_interleaved(
+    title: str,
+    arms: list[str],
+    repeats: int,
+    emulation: Emulation | None,
+    run_one: RunOne,
+    describe: Callable[[dict], str],
+) -> dict[str, list[dict]]:
+    """Each arm `repeats` times, interleaved, so that drift on a shared machine hits every arm alike.
+
+    A progress bar shows the run in flight and a line is printed as each ends. Errors
+    (RuntimeError, EmulationError, KeyboardInterrupt) propagate after workers and namespaces are gone.
+    """
+    from rich.progress import Progress
+
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    with bench_session(emulation) as (tmp, cluster), Progress() as progress:
+        bar = progress.add_task(title, total=repeats * len(arms))
+        for repeat in range(repeats):
+            for i, arm in enumerate(arms):
+                where = f"{arm}, repeat {repeat + 1}/{repeats}"
+                progress.update(bar, description=where)
+                port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
+                result = run_one(arm, tmp / f"arm{i}-{repeat}.json", cluster, port, repeat)
+                runs[arm].append(result)
+                progress.console.print(f"{where}: {describe(result)}")
+                progress.advance(bar)
+    return runs

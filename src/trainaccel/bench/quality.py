@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
-from trainaccel.bench.jobs import bench_session, report_header, run_workers
+from trainaccel.bench.jobs import report_header, run_interleaved, run_workers
 from trainaccel.bench.plot import check_available, plot_quality
 from trainaccel.bench.tasks import TASKS
 from trainaccel.bench.train import parse_arms, parse_variant
@@ -167,8 +167,6 @@ def render(summary: dict[str, dict], title: str, metric: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
     try:
         _check(args)
         arms = parse_arms(args.arms, ARMS)
@@ -187,26 +185,22 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
     arm_options = {arm: options for arm in arms} | variants
-    runs: dict[str, list[dict]] = {arm: [] for arm in arm_options}
     try:
-        with bench_session(emulation) as (tmp, cluster), Progress() as progress:
-            task_bar = progress.add_task(f"bench quality {args.task}", total=args.repeats * len(runs))
-            for repeat in range(args.repeats):
-                for i, arm in enumerate(runs):  # interleaved: drift on a shared machine hits every arm alike
-                    progress.update(task_bar, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
-                    out = tmp / f"arm{i}-{repeat}.json"
-                    port = 29500 + repeat * len(runs) + i  # a fresh port: no TIME_WAIT from the last run
-                    kind = arm if arm in ARMS else "trainaccel"
-                    # Each repeat its own seed (initial model and batches), the same for every arm in it: a
-                    # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
-                    result = _run_arm(kind, args, arm_options[arm], out, cluster, port, seed=repeat)
-                    runs[arm].append(result)
-                    progress.console.print(
-                        f"{arm}, repeat {repeat + 1}/{args.repeats}: {result['seconds']:.1f} s, "
-                        f"validation loss {result['final_validation_loss']:.4f}, "
-                        f"{task.metric} {result['final_validation_accuracy']:.1%}"
-                    )
-                    progress.advance(task_bar)
+        runs = run_interleaved(
+            f"bench quality {args.task}",
+            list(arm_options),
+            args.repeats,
+            emulation,
+            # Each repeat its own seed (initial model and batches), the same for every arm in it: a
+            # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
+            lambda arm, out, cluster, port, repeat: _run_arm(
+                arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port, seed=repeat
+            ),
+            lambda result: (
+                f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
+                f"{task.metric} {result['final_validation_accuracy']:.1%}"
+            ),
+        )
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
         return 1

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
-from trainaccel.bench.jobs import bench_session, report_header, run_workers
+from trainaccel.bench.jobs import report_header, run_interleaved, run_workers
 from trainaccel.bench.models import MODELS
 from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.recsys import RECSYS_MODELS
@@ -191,8 +191,6 @@ def render(summary: dict[str, dict], title: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
     try:
         _check(args)
         recsys = args.model in RECSYS_MODELS
@@ -210,23 +208,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
     arm_options = {arm: options for arm in arms} | variants
-    runs: dict[str, list[dict]] = {arm: [] for arm in arm_options}
     try:
-        with bench_session(emulation) as (tmp, cluster), Progress() as progress:
-            task = progress.add_task(f"bench train {args.model}", total=args.repeats * len(runs))
-            for repeat in range(args.repeats):
-                for i, arm in enumerate(runs):  # interleaved: drift on a shared machine hits every arm alike
-                    progress.update(task, description=f"{arm}, repeat {repeat + 1}/{args.repeats}")
-                    out = tmp / f"arm{i}-{repeat}.json"
-                    port = 29500 + repeat * len(runs) + i  # a fresh port: no TIME_WAIT from the last run
-                    kind = arm if arm in ARMS else "trainaccel"
-                    result = _run_arm(kind, args, arm_options[arm], out, cluster, port)
-                    runs[arm].append(result)
-                    progress.console.print(
-                        f"{arm}, repeat {repeat + 1}/{args.repeats}: "
-                        f"{result['examples_per_s_per_worker']:.1f} examples/s per worker"
-                    )
-                    progress.advance(task)
+        runs = run_interleaved(
+            f"bench train {args.model}",
+            list(arm_options),
+            args.repeats,
+            emulation,
+            lambda arm, out, cluster, port, repeat: _run_arm(
+                arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port
+            ),
+            lambda result: f"{result['examples_per_s_per_worker']:.1f} examples/s per worker",
+        )
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
         return 1
