@@ -65,7 +65,8 @@ def plot_quality(summary: dict[str, dict], title: str, path: str | Path) -> None
     for arm, s in summary.items():
         curve = s["curves"][0]
         ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=arm)
-    target = next((s["target_loss"] for s in summary.values() if s.get("target_loss") is not None), None)
+    targets = next((s["target_loss"] for s in summary.values() if s.get("target_loss") is not None), None)
+    target = targets[0] if targets else None  # the first repeat's, as the curves are
     if target is not None:
         ax.axhline(target, linestyle="--", color="gray", label="target (plain DDP + tolerance)")
     ax.set_xlabel("training seconds")
