@@ -16,11 +16,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
+from trainaccel.bench.emulate import EmulatedCluster, EmulationError
 from trainaccel.bench.jobs import report_header, run_interleaved, run_workers
-from trainaccel.bench.plot import check_available, plot_quality
+from trainaccel.bench.plot import plot_quality
 from trainaccel.bench.tasks import TASKS
-from trainaccel.bench.train import parse_arms, parse_variant
+from trainaccel.bench.train import arm_settings, parse_arms
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
@@ -171,21 +171,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
         arms = parse_arms(args.arms, ARMS)
-        variants = dict(parse_variant(v, ARMS) for v in args.variant)
-        if len(variants) != len(args.variant):
-            raise ValueError("each --variant needs its own label")
-        emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
-        flags = Config.flags_from(args)
-        config = Config.resolve(flags=flags)
-        if args.plot:
-            check_available()
+        arm_options, config, options, emulation = arm_settings(args, arms)
         task = TASKS[args.task]
         task.load()  # its data is there (or the error says what to install) before any worker starts
     except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
         return 2
-    options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
-    arm_options = {arm: options for arm in arms} | variants
     try:
         runs = run_interleaved(
             f"bench quality {args.task}",

@@ -103,6 +103,23 @@ def parse_variant(text: str, reserved: tuple[str, ...] = ARMS) -> tuple[str, dic
     return label, {name: str(getattr(config, name)) for name in options}
 
 
+def arm_settings(
+    args: argparse.Namespace, arms: list[str]
+) -> tuple[dict[str, dict[str, str]], Config, dict[str, str], Emulation | None]:
+    """From a bench's flags: each arm's trainaccel options (variants their own), the config, the options
+    given as flags, and the emulated cluster if asked for; raises ValueError/ConfigError/RuntimeError."""
+    variants = dict(parse_variant(v) for v in args.variant)
+    if len(variants) != len(args.variant):
+        raise ValueError("each --variant needs its own label")
+    emulation = parse_emulate(args.emulate) if args.emulate else None
+    flags = Config.flags_from(args)
+    config = Config.resolve(flags=flags)
+    if args.plot:
+        check_available()
+    options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
+    return {arm: options for arm in arms} | variants, config, options, emulation
+
+
 def _check(args: argparse.Namespace) -> None:
     for flag in ("image_size", "batch_size", "repeats", "nproc_per_node", "embedding_dim", "max_rows"):
         if getattr(args, flag) < 1:
@@ -195,19 +212,10 @@ def main(args: argparse.Namespace) -> int:
         _check(args)
         recsys = args.model in RECSYS_MODELS
         arms = parse_arms(args.arms, RECSYS_ARMS if recsys else ARMS, f" for {args.model}")
-        variants = dict(parse_variant(v) for v in args.variant)
-        if len(variants) != len(args.variant):
-            raise ValueError("each --variant needs its own label")
-        emulation: Emulation | None = parse_emulate(args.emulate) if args.emulate else None
-        flags = Config.flags_from(args)
-        config = Config.resolve(flags=flags)
-        if args.plot:
-            check_available()
+        arm_options, config, options, emulation = arm_settings(args, arms)
     except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
         return 2
-    options = {name: str(getattr(config, name)) for name, raw in flags.items() if raw is not None}
-    arm_options = {arm: options for arm in arms} | variants
     try:
         runs = run_interleaved(
             f"bench train {args.model}",
