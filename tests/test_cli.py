@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import run, trainaccel_cmd
+from trainaccel.bench.emulate import namespaces, why_not_emulated
 
 
 @pytest.mark.multiprocess
@@ -40,9 +41,13 @@ def test_version_and_usage():
 @pytest.mark.multiprocess
 def test_demo_measures_every_arm(tmp_path):
     out = tmp_path / "demo.json"
-    proc = run([*trainaccel_cmd(), "demo", "--steps", "12", "--warmup", "4", "--json", out], env={"COLUMNS": "200"})
+    command = [*trainaccel_cmd(), "demo", "--loopback", "--steps", "12", "--warmup", "4", "--json", out]
+    proc = run(command, env={"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trainaccel demo" in proc.stdout and "examples/s per worker" in proc.stdout
+    # Where it cannot show the gain, it says why and names the command that does.
+    assert "No emulated slow link here (--loopback was given)" in proc.stdout
+    assert "sudo trainaccel bench quality --task digits --emulate nodes=2,procs-per-node=2,link=500mbit" in proc.stdout
     plain, default, fp16 = json.loads(out.read_text())["arms"]
     assert [a["arm"] for a in (plain, default, fp16)] == ["plain DDP", "trainaccel", "trainaccel fp16"]
     assert plain["comm_hook"] is None
@@ -55,6 +60,21 @@ def test_demo_measures_every_arm(tmp_path):
         assert arm["final_loss"] < arm["first_loss"]
     assert default["bytes_per_step"] == plain["bytes_per_step"]
     assert fp16["bytes_per_step"] == plain["bytes_per_step"] / 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(why_not_emulated() is not None, reason="needs root and iproute2 to build network namespaces")
+def test_demo_on_a_slow_link_reports_time_and_validation_loss_per_arm(tmp_path):
+    pytest.importorskip("sklearn")
+    out, before = tmp_path / "demo.json", set(namespaces("ta"))
+    proc = run([*trainaccel_cmd(), "demo", "--steps", "12", "--json", out], env={"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 nodes x 2 workers, link 500mbit" in proc.stdout and "validation loss" in proc.stdout
+    arms = json.loads(out.read_text())["arms"]
+    assert list(arms) == ["baseline", "torch-fp16", "trainaccel", "local"]
+    for arm in arms.values():
+        assert arm["seconds"] > 0 and arm["final_validation_loss"] > 0
+    assert set(namespaces("ta")) <= before, "the emulated cluster was not removed"
 
 
 @pytest.mark.multiprocess

@@ -63,7 +63,7 @@ def test_values_are_normalised():
             {"compression_momentum": -0.1},
             {},
             {},
-            "invalid compression_momentum=-0.1 (from keyword); accepted: a number in [0, 1]",
+            "invalid compression_momentum=-0.1 (from keyword); accepted: auto, or a number in [0, 1]",
         ),
         ({"local_steps": "0"}, {}, {}, "invalid local_steps='0' (from keyword); accepted: an integer >= 1"),
         (
@@ -174,7 +174,7 @@ def test_names_match_across_code_cli_and_env():
 def test_amp_levels_and_switches_normalise():
     assert Config.resolve(env={"TRAINACCEL_AMP": "O1"}).amp == "on"
     assert Config.resolve(env={}, amp="o0").amp == "off"
-    assert Config.resolve(env={}, amp=True, compile=True).describe().split()[10:14] == [
+    assert Config.resolve(env={}, amp=True, compile=True).describe().split()[11:15] == [
         "amp=on",
         "amp_policy=always",
         "compile=on",

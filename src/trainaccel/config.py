@@ -113,6 +113,18 @@ def _fp16_scale(name: str, raw: Any) -> float | str:
 _fp16_scale.accepted = "dynamic, or a number > 0 (a fixed scale)"  # type: ignore[attr-defined]
 
 
+def _momentum(name: str, raw: Any) -> float | str:
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _number(float, 0.0, 1.0)(name, raw)
+    except ConfigError:
+        raise ConfigError(name, raw, _momentum.accepted) from None  # type: ignore[attr-defined]
+
+
+_momentum.accepted = "auto, or a number in [0, 1]"  # type: ignore[attr-defined]
+
+
 def _amp_policy(name: str, raw: Any) -> str:
     value = str(raw).strip()
     if value.lower() in ("", "always"):
@@ -168,10 +180,17 @@ class Config:
         _number(float, 0.0, 1.0, low_open=True),
         "fraction of gradient elements that topk and randomk send each step",
     )
-    compression_momentum: float = _option(
-        0.0,
-        _number(float, 0.0, 1.0),
-        "momentum correction for topk and randomk (use with a momentum-free optimizer, e.g. 0.9)",
+    compression_momentum: float | str = _option(
+        "auto",
+        _momentum,
+        "momentum correction for topk and randomk; auto: an SGD optimizer's momentum and weight decay are "
+        "taken over by error feedback (the optimizer runs without them); a number: DGC's momentum with factor "
+        "masking, for a momentum-free optimizer (e.g. 0.9)",
+    )
+    compression_warmup: int = _option(
+        20,
+        _number(int, 0, float("inf")),
+        "first steps reduced exactly before topk, randomk or powersgd start (at least 1, and 2 for powersgd)",
     )
     fp16_scale: float | str = _option(
         "dynamic",

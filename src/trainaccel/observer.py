@@ -7,6 +7,7 @@ model or torch themselves:
 - `step_begin(observer, args, kwargs)`: a training forward (training mode, gradients on); `observer.step` counts them.
 - `eval(observer, args, kwargs)`: any other forward.
 - `after_backward(observer)`: `loss.backward()` returned in a step (seen once some feature calls `watch_backward`).
+- `before_optimizer_step(observer, optimizer)`: an optimizer holding the model's parameters is about to step.
 - `after_optimizer_step(observer, optimizer)`: an optimizer holding the model's parameters stepped.
 - `state_dict(observer, destination, prefix, metadata)`: the model's module built its state dict.
 
@@ -28,7 +29,7 @@ import torch
 
 from trainaccel import context
 
-EVENTS = ("step_begin", "eval", "after_backward", "after_optimizer_step", "state_dict")
+EVENTS = ("step_begin", "eval", "after_backward", "before_optimizer_step", "after_optimizer_step", "state_dict")
 
 _observers: weakref.WeakSet[StepObserver] = weakref.WeakSet()
 _by_module: weakref.WeakKeyDictionary[torch.nn.Module, StepObserver] = weakref.WeakKeyDictionary()
@@ -76,6 +77,10 @@ class StepObserver:
             model.register_forward_pre_hook(before_forward, with_kwargs=True).remove,
             module.register_state_dict_post_hook(functools.partial(_after_state_dict, weakref.ref(self))).remove,
         ]
+
+    def holds(self, parameter: torch.Tensor) -> bool:
+        """Whether `parameter` is one of the model's."""
+        return id(parameter) in self._params
 
     def subscribe(self, event: str, callback: Callable[..., Any]) -> Callable[[], None]:
         """Call `callback(observer, ...)` at each `event`; returns a function that unsubscribes it."""
@@ -198,23 +203,30 @@ def _watch_optimizers() -> None:
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for callback in list(_optimizer_watchers["before"]):
         callback(optimizer)
+    for observer in _observers_of(optimizer):
+        observer.emit("before_optimizer_step", optimizer)
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for callback in list(_optimizer_watchers["after"]):
         callback(optimizer)
+    for observer in _observers_of(optimizer):
+        observer.optimizer_steps += 1
+        observer.emit("after_optimizer_step", optimizer)
+
+
+def _observers_of(optimizer: torch.optim.Optimizer) -> list[StepObserver]:
+    """The observers of the models whose parameters `optimizer` holds."""
     if not _observers:
-        return
+        return []
     groups = optimizer.param_groups
     count = sum(len(g["params"]) for g in groups)
     seen, held = _held.get(optimizer, (-1, frozenset()))
     if seen != count:  # new or grown (add_param_group)
         held = frozenset(id(p) for g in groups for p in g["params"])
         _held[optimizer] = (count, held)
-    for observer in list(_observers):
-        if not held.isdisjoint(observer._params):
-            observer.optimizer_steps += 1
-            observer.emit("after_optimizer_step", optimizer)
+    # An observer can outlive its model, and a new model's parameters can take the ids of the old one's.
+    return [o for o in list(_observers) if o.model() is not None and not held.isdisjoint(o._params)]
 
 
 def watch_backward(

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_process_group")
 def trained(compression: str, steps: int = 3, model: nn.Module | None = None) -> DDP:
     torch.manual_seed(0)
     ddp = DDP(model or nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
-    comm.register(ddp, compression=compression, compression_ratio=0.1, hierarchical="off")
+    comm.register(ddp, compression=compression, compression_ratio=0.1, hierarchical="off", compression_warmup=1)
     for step in range(steps):
         torch.manual_seed(step)
         ddp(torch.randn(4, 8)).sum().backward()

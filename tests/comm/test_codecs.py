@@ -126,6 +126,29 @@ def test_error_feedback_momentum_correction():
     assert torch.allclose(corrected, torch.where(kept, 1.0 + 1.9, 1.0))
 
 
+@pytest.mark.parametrize("nesterov, dampening", [(False, 0.0), (True, 0.0), (False, 0.3)])  # torch: no both
+def test_taken_over_momentum_sends_what_torch_sgd_would_apply(nesterov, dampening):
+    """Without masking, with everything sent: the payloads are torch SGD's steps, from a carried-over buffer on."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.zeros(50))
+    sgd = torch.optim.SGD([param], lr=1.0, momentum=0.9, nesterov=nesterov, dampening=dampening)
+    grads = [torch.randn(50) for _ in range(6)]
+    for g in grads[:2]:  # two steps of the optimizer's own, then its buffer moves into the feedback
+        param.grad = g.clone()
+        sgd.step()
+    feedback = ErrorFeedback(0.9, nesterov=nesterov, dampening=dampening, masking=False)
+    carried, codec = sgd.state[param]["momentum_buffer"].clone(), TopK(1.0)
+    for g in grads[2:]:
+        before = param.detach().clone()
+        param.grad = g.clone()
+        sgd.step()
+        corrected = feedback.correct("b", g, velocity=carried)
+        payload, ctx = codec.compress(corrected)
+        feedback.update("b", corrected, codec, payload, ctx)
+        assert torch.allclose(codec.decompress(payload, ctx), before - param.detach(), atol=1e-6)
+        assert feedback.residuals["b"].abs().max() == 0 and feedback.velocities["b"].abs().max() > 0
+
+
 def test_unknown_codec_is_refused():
     with pytest.raises(ValueError, match="invalid compression='lz4'; accepted: none, fp16, bf16, topk, randomk"):
         get_codec("lz4")

@@ -15,9 +15,10 @@ pytestmark = pytest.mark.multiprocess
 STEPS, FAIL_AT, LAST_CHECKPOINT = 10, 5, 4
 
 
-def launch(out_dir, compression, *args, fail=True, bucket_mb=None):
+def launch(out_dir, compression, *args, fail=True, bucket_mb=None, warmup=2):
     out_dir.mkdir()
     flags = ["--compression", compression, "--max-restarts", 1, *(["--bucket-mb", bucket_mb] if bucket_mb else [])]
+    flags += ["--compression-warmup", warmup]  # 2: compressing (SGD's momentum taken over) from step 3 on
     args = [out_dir, STEPS, *(["--fail-at-step", FAIL_AT] if fail else []), *args]
     cmd = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, *flags, SCRIPTS / "resume_recipe.py", *args]
     proc = run(cmd, timeout=180)
@@ -26,16 +27,23 @@ def launch(out_dir, compression, *args, fail=True, bucket_mb=None):
 
 
 # One bucket, or one per parameter (0.001 MiB): DDP's first buckets then split the parameters otherwise.
+# A warm-up of 6 exact steps: the restart (from step 4) comes during it.
 @pytest.mark.parametrize(
-    "compression, bucket_mb", [("topk", None), ("topk", 0.001), ("randomk", 0.001), ("powersgd", None)]
+    "compression, bucket_mb, warmup",
+    [("topk", None, 2), ("topk", 0.001, 2), ("randomk", 0.001, 2), ("powersgd", None, 2), ("topk", None, 6)],
 )
-def test_a_restarted_job_resumes_the_exact_trajectory(tmp_path, compression, bucket_mb):
-    reference, _ = launch(tmp_path / "uninterrupted", compression, "--every-rank", fail=False, bucket_mb=bucket_mb)
-    resumed, _ = launch(tmp_path / "restarted", compression, "--every-rank", bucket_mb=bucket_mb)
+def test_a_restarted_job_resumes_the_exact_trajectory(tmp_path, compression, bucket_mb, warmup):
+    options = dict(bucket_mb=bucket_mb, warmup=warmup)
+    reference, _ = launch(tmp_path / "uninterrupted", compression, "--every-rank", fail=False, **options)
+    resumed, _ = launch(tmp_path / "restarted", compression, "--every-rank", **options)
     assert resumed["attempt"] == 1 and resumed["resumed_from"] == LAST_CHECKPOINT
     saved = torch.load(tmp_path / "restarted" / "checkpoint-rank1.pt")["model"]  # the last one: step 10
     engine = saved._metadata[""]["trainaccel_comm"]
     assert engine["rank"] == 1 and engine["counters"]["steps"] == STEPS and engine["buckets"]
+    if compression != "powersgd":  # SGD's momentum 0.9, taken over after the warm-up, travels with the engine
+        assert engine["moved_momentum"]["momentum"] == 0.9
+        optimizer = torch.load(tmp_path / "restarted" / "checkpoint-rank1.pt")["optimizer"]
+        assert optimizer["param_groups"][0]["momentum"] == 0.9  # the script's settings, as torch saves them
     for name, value in reference["params"].items():
         assert torch.equal(resumed["params"][name], value), name
 

@@ -57,7 +57,7 @@ def applied(model: DDP, rank: int, step: int, kind: str = "random") -> torch.Ten
 def fresh(bucket_cap_mb: float | None = None, **options) -> tuple[DDP, object]:
     """A registered model past its first step: lossy codecs start after DDP's final buckets (PowerSGD counts its own)."""
     model = DDP(Grads(), bucket_cap_mb=bucket_cap_mb)
-    state = register(model, **options)
+    state = register(model, **{"compression_warmup": 1, **options})
     if options.get("compression") != "powersgd":
         model(torch.zeros(N), torch.zeros(ROWS, COLS)).backward()  # reduced exactly: nothing to carry over
         state.flat_bytes_sent = 0  # bytes_sent counts from here on

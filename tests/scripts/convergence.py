@@ -46,7 +46,7 @@ x_eval, y_eval = batch(torch.Generator().manual_seed(99), 4096)
 results = {}
 for name, options in CODECS.items():
     model = DDP(student())
-    state = register(model, **options)
+    state = register(model, compression_warmup=1, **options)
     momentum = 0.0 if options.get("compression_momentum") else 0.9
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     data = torch.Generator().manual_seed(rank)

@@ -83,6 +83,8 @@ def build(setting: str, options: dict | None) -> tuple[list[DDP], list, list[tor
         net.to(torch.float16 if setting == "fp16_model" else torch.bfloat16)
     parts = [net] if setting != "two_models" else [nn.Sequential(net.hidden, nn.Tanh()), net.out]
     models = [DDP(part, **kwargs) for part in parts]
+    # compression_warmup=1: the codecs start at step 2, so the spike at step 12 meets them.
+    options = None if options is None else {"compression_warmup": 1, **options}
     states = [register(model, **options) if options is not None else None for model in models]
     optimizers = []
     for model in models:

@@ -73,6 +73,13 @@ def namespaces(prefix: str) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
+def why_not_emulated() -> str | None:
+    """What this machine lacks to build an emulated cluster, or None when it can."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return "root and iproute2 (`ip netns`, `tc`) to build network namespaces"
+    return None
+
+
 class EmulatedCluster:
     """Context manager: builds the namespaces and links on enter, removes all of them on exit."""
 
@@ -90,11 +97,9 @@ class EmulatedCluster:
         return ["ip", "netns", "exec", self.nodes[node]]
 
     def __enter__(self) -> EmulatedCluster:
-        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-            raise EmulationError(
-                "--emulate needs root and iproute2 (`ip netns`, `tc`) to build network namespaces; "
-                "run as root on Linux, or drop --emulate"
-            )
+        missing = why_not_emulated()
+        if missing is not None:
+            raise EmulationError(f"--emulate needs {missing}; run as root on Linux, or drop --emulate")
         try:
             self._build()
         except BaseException:

@@ -134,6 +134,8 @@ def _run_arm(
     """Run one arm; `arm` is baseline, local, or trainaccel (also for variants, with their options)."""
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
+        # Throughput of the codec itself: its exact warm-up steps end within the untimed steps.
+        env.setdefault("TRAINACCEL_COMPRESSION_WARMUP", str(max(1, args.warmup)))
     else:
         launcher, env = TORCHRUN, plain_env()
     common = [

@@ -136,5 +136,7 @@ def autotune_comm_hook(state: Autotuner, bucket: dist.GradBucket) -> torch.futur
 
 
 def warmup_steps(config: Config) -> int:
-    """Untimed steps before a candidate is timed (PowerSGD compresses only after START_STEP steps)."""
-    return START_STEP + 1 if config.compression == "powersgd" else 1
+    """Untimed steps before a candidate is timed: its exact warm-up steps (compression_warmup), then one."""
+    if config.compression == "powersgd":
+        return max(START_STEP, config.compression_warmup) + 1
+    return max(1, config.compression_warmup) + 1 if config.compression in ("topk", "randomk") else 1

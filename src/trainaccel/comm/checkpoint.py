@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel.comm.autotune import Autotuner
 from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split_key
 from trainaccel.comm.hooks import CommState
+from trainaccel.comm.momentum import restore_moved
 from trainaccel.context import warn_once
 from trainaccel.observer import StepObserver, observer_of
 
@@ -189,6 +190,14 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
             for signature, stores in buckets.items()
         ],
     }
+    if state.moved is not None and state.moved.momentum:
+        # The optimizer's momentum and weight decay, applied by the engine: the optimizer's own
+        # state_dict() reports the script's settings, so a resumed job needs these from here.
+        by_id = state.param_names
+        saved["moved_momentum"] = {
+            **state.moved.settings(),
+            "weight_decay": {by_id[i]: decay for i, decay in state.moved.weight_decay.items() if i in by_id},
+        }
     if state.hierarchy is not None:
         saved["counters"]["hierarchy_bytes_sent"] = state.hierarchy.bytes_sent
         saved["counters"]["intra_bytes_sent"] = state.hierarchy.intra_bytes_sent
@@ -226,6 +235,8 @@ def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> No
         p.total_numel_after_compression = s["total_numel_after_compression"]
         kind, key, pos, has_gauss, cached = s["rng"]
         p.rng.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if state.moved is not None and "moved_momentum" in saved:
+        restore_moved(state, saved["moved_momentum"])
     # Whatever the engine held goes; the checkpoint's buckets wait, parked, for the indices DDP gives them.
     park_all(state)
     state.parked.clear()

@@ -225,39 +225,51 @@ class ErrorFeedback:
     """Per-buffer residuals of a lossy codec (and momentum, for momentum correction).
 
     `corrected = g + residual` is what gets compressed; what the payload does not carry
-    becomes the next residual. With momentum m: u = m*u + g, residual += u, and both are
-    cleared where elements were sent (momentum correction of Deep Gradient Compression).
+    becomes the next residual. With momentum m: u = m*u + (1 - dampening)*g and residual += u
+    (nesterov: residual += g + m*u), so that error feedback acts on momentum SGD's update
+    (Deep Gradient Compression's momentum correction). With `masking`, u is also cleared where
+    elements were sent (DGC's momentum factor masking).
     """
 
-    def __init__(self, momentum: float = 0.0):
-        self.momentum = momentum
+    def __init__(self, momentum: float = 0.0, *, nesterov: bool = False, dampening: float = 0.0, masking: bool = True):
+        self.momentum, self.nesterov, self.dampening, self.masking = momentum, nesterov, dampening, masking
         self.residuals: dict[Any, torch.Tensor] = {}
         self.velocities: dict[Any, torch.Tensor] = {}
 
-    def correct(self, key: Any, tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """The residual buffer for `key`, with `scale * tensor` added in (the input is not changed)."""
+    def correct(
+        self, key: Any, tensor: torch.Tensor, scale: float = 1.0, velocity: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The residual buffer for `key`, with `scale * tensor` added in (the input is not changed).
+
+        `velocity` starts `key`'s momentum when it has none yet (an optimizer's momentum taken over).
+        """
         residual = self.residuals.get(key)
         if residual is None or residual.shape != tensor.shape:  # DDP rebuilds its buckets once
             residual = self.residuals[key] = torch.zeros_like(tensor)
             self.velocities.pop(key, None)
         if self.momentum:
-            velocity = self.velocities.get(key)
-            if velocity is None:
-                velocity = self.velocities[key] = torch.zeros_like(tensor)
-            velocity.mul_(self.momentum).add_(tensor, alpha=scale)
-            return residual.add_(velocity)
+            u = self.velocities.get(key)
+            if u is None or u.shape != tensor.shape:
+                u = self.velocities[key] = (
+                    torch.zeros_like(tensor) if velocity is None else velocity.to(tensor.dtype, copy=True)
+                )
+            u.mul_(self.momentum).add_(tensor, alpha=scale * (1.0 - self.dampening))
+            if self.nesterov:
+                return residual.add_(tensor, alpha=scale).add_(u, alpha=self.momentum)
+            return residual.add_(u)
         return residual.add_(tensor, alpha=scale)
 
     def update(self, key: Any, corrected: torch.Tensor, codec: Codec, payload: torch.Tensor, ctx: Any) -> None:
         """Keep in `corrected` (the buffer `correct` returned) what `payload` did not carry."""
+        mask = bool(self.momentum) and self.masking
         zero_sent = getattr(codec, "zero_sent", None)
         if zero_sent is not None:  # sparse codecs send some elements exactly and nothing of the rest
             zero_sent(corrected, payload, ctx)
-            if self.momentum:
+            if mask:
                 zero_sent(self.velocities[key], payload, ctx)
             return
         sent = codec.decompress(payload, ctx)
-        if self.momentum:
+        if mask:
             self.velocities[key].masked_fill_(sent != 0, 0.0)
         corrected.sub_(sent)
 

@@ -55,13 +55,14 @@ class Pending:
         scale: float,
         out: torch.Tensor | None,
         span_name: str | None,
+        velocity: torch.Tensor | None = None,
     ):
         self.codec, self.feedback, self.key, self.group, self.scale = codec, feedback, key, group, scale
         self.tensor, self.out = tensor, out
         self.trace = timeline.current()
         began = time.perf_counter() if self.trace is not None else 0.0
         if feedback is not None:
-            corrected = feedback.correct(key, tensor, scale)  # one pass: scaled into the residual
+            corrected = feedback.correct(key, tensor, scale, velocity)  # one pass: scaled into the residual
             self.scaled = False  # `tensor` itself is left as it was, for an exact retry
         else:
             corrected = tensor.mul_(scale) if scale != 1.0 else tensor
@@ -129,14 +130,16 @@ def start_exchange(
     scale: float = 1.0,
     out: torch.Tensor | None = None,
     span_name: str | None = None,
+    velocity: torch.Tensor | None = None,
 ) -> Pending:
     """Start summing `scale * tensor` over `group` through `codec` (error feedback keyed by `key`).
 
-    `tensor` is scaled in place only without feedback. A codec with `accumulate` decodes into
+    `velocity` starts the feedback's momentum for `key` if it has none. `tensor` is scaled in place
+    only without feedback. A codec with `accumulate` decodes into
     `out` when given (a tensor of `tensor`'s shape whose values are no longer needed). With a
     timeline open, `key`'s track gets encode, `span_name` (default: the collective) and decode spans.
     """
-    return Pending(codec, feedback, tensor, key, group, scale, out, span_name)
+    return Pending(codec, feedback, tensor, key, group, scale, out, span_name, velocity)
 
 
 def decode(codec: Codec, parts: list[torch.Tensor], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:

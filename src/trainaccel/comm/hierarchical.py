@@ -71,10 +71,17 @@ class HierarchicalReduce:
         # codec in the node does so too: every worker of the node must see the whole sum to decide
         # alike whether it is finite.
         self._scatter_by_allreduce = dist.get_backend(topology.intra_group) == "gloo" or self.intra_codec.lossy
+        self._velocity: tuple[tuple[torch.Tensor, ...], int] | None = None  # the reduction in progress's (chunks)
 
-    def reduce(self, buffer: torch.Tensor, key: Any) -> tuple[torch.Tensor, list[tuple[str, str]]]:
-        """Sum `buffer` in place (call on the communication thread); returns it and the (level, fallback) taken."""
+    def reduce(
+        self, buffer: torch.Tensor, key: Any, velocity: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+        """Sum `buffer` in place (call on the communication thread); returns it and the (level, fallback) taken.
+
+        `velocity` (laid out as `buffer`, this worker's share) starts the momentum of error feedback across nodes.
+        """
         chunk = max(1, int(self.chunk_mb * 2**20) // buffer.element_size())
+        self._velocity = None if velocity is None else (velocity.split(chunk), chunk)
         fallbacks: list[tuple[str, str]] = []
         stages: list[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
         starts = [self._start_sum_in_node, self._start_sum_across_nodes, self._start_gather_in_node]
@@ -135,6 +142,7 @@ class HierarchicalReduce:
             self.topology.inter_group,
             out=out,
             span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather",
+            velocity=self._shard_velocity(key[1], shard.numel()),
         )
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
@@ -143,6 +151,15 @@ class HierarchicalReduce:
             return outcome.result, None if outcome.fallback is None else ("across nodes", outcome.fallback)
 
         return _Step("", key, None, finish)  # `exchange` records its own encode, collective and decode spans
+
+    def _shard_velocity(self, i: int, shard_size: int) -> torch.Tensor | None:
+        """This node's share of chunk `i`'s velocity, at this worker's shard: the node's workers' shares summed."""
+        if self._velocity is None:
+            return None
+        parts, _ = self._velocity
+        part = parts[i]
+        padded = torch.nn.functional.pad(part, (0, shard_size * self.topology.local_size - part.numel()))
+        return padded.narrow(0, self.topology.local_index * shard_size, shard_size) * self.topology.local_size
 
     def _start_gather_in_node(self, shard: torch.Tensor, key: Any, part: torch.Tensor) -> _Step:
         payload, ctx = self.intra_codec.compress(shard, key)

@@ -13,6 +13,7 @@ from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import EXACT, NOT_FINITE, start_exchange
 from trainaccel.comm.exit_guard import track
 from trainaccel.comm.hierarchical import HierarchicalReduce
+from trainaccel.comm.momentum import MovedMomentum, bucket_velocity
 from trainaccel.comm.powersgd import PowerSGDState, forget_bucket, powersgd_reduce
 from trainaccel.comm.scheduler import comm_thread
 from trainaccel.context import log, warn_once
@@ -73,6 +74,9 @@ class CommState:
     dense_bytes_per_step: int = 0  # what that allreduce sends per step
     comm_wait: CommWait | None = None  # measured for straggler detection
     observer: Any = None  # the model's StepObserver: its optimizer steps tell a skipped step (set by `register`)
+    warmup_steps: int = 0  # first steps reduced exactly before a sparse codec starts (compression_warmup)
+    last_step_compressed: bool = False  # whether the last step's dense buckets went through the codec
+    moved: MovedMomentum | None = None  # an optimizer's momentum, applied by error feedback (compression_momentum)
 
     @property
     def hierarchical(self) -> bool:
@@ -130,15 +134,20 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
             return timeline.traced("sparse allreduce", index, lambda _: _exact(state, buffer, sparse=True))(None)
         if state.powersgd is not None:
             return timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))(None)
-        if exact_first:
-            # DDP may rebuild its buckets in a new parameter order after this step: residuals start after it.
-            return timeline.traced("allreduce (before DDP's final buckets)", index, lambda _: _exact(state, buffer))(
-                None
-            )
+        if exact_first or step <= state.warmup_steps:
+            # DDP may rebuild its buckets in a new parameter order after its first step: residuals start after
+            # it, and after the warm-up, whose exact steps keep a sparse codec from starting on the first gradients.
+            state.last_step_compressed = False
+            name = "allreduce (warm-up)" if not exact_first else "allreduce (before DDP's final buckets)"
+            return timeline.traced(name, index, lambda _: _exact(state, buffer))(None)
+        state.last_step_compressed = True
+        velocity = bucket_velocity(state.moved, bucket, buffer) if state.moved is not None else None
         if state.hierarchy is not None:
-            return _hierarchical(state, buffer, index, step)  # its stages trace themselves
-        return _flat(state, buffer, index, step)  # `exchange` traces its stages
+            return _hierarchical(state, buffer, index, step, velocity)  # its stages trace themselves
+        return _flat(state, buffer, index, step, velocity)  # `exchange` traces its stages
 
+    if first_here and state.restored_buckets and step <= state.warmup_steps:
+        state.restored_buckets.clear()  # restored during the warm-up: its exact steps need no realignment
     if first_here and state.restored_buckets and not buffer.is_sparse:
         fut = _realign(state, bucket, step)
     else:
@@ -159,8 +168,14 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
 class _Bucket:
     """A bucket of the engine's making, for torch's PowerSGD hook: what `GradBucket` offers it."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor], last: bool):
+    def __init__(
+        self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor], last: bool, parameters: list = ()
+    ):
         self._index, self._buffer, self._gradients, self._last = index, buffer, gradients, last
+        self._parameters = list(parameters)
+
+    def parameters(self) -> list:
+        return self._parameters
 
     def index(self) -> int:
         return self._index
@@ -184,7 +199,7 @@ def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futu
     copied back. The step loses its overlap with the backward pass, and the trajectory is exact.
     """
     buffer = bucket.buffer()
-    entry = (buffer, _signature(state, bucket), bucket.gradients())
+    entry = (buffer, _signature(state, bucket), bucket.gradients(), bucket.parameters())
     if not bucket.is_last():
         fut: torch.futures.Future = torch.futures.Future(
             devices=[buffer.device] if buffer.device.type == "cuda" else []
@@ -200,7 +215,7 @@ def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futu
             for fut, _ in held:
                 fut.set_exception(e)
             raise
-        for fut, (held_buffer, _, _) in held:
+        for fut, (held_buffer, *_) in held:
             fut.set_result(held_buffer)
         return buffer
 
@@ -208,7 +223,8 @@ def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futu
 
 
 def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> None:
-    gradients = {i: g for _, params, grads in entries for i, g in zip(params, grads)}
+    gradients = {i: g for _, places, grads, _ in entries for i, g in zip(places, grads)}
+    parameters = {i: p for _, places, _, params in entries for i, p in zip(places, params)}
     restored, state.restored_buckets = sorted(state.restored_buckets.items()), {}
     covered = sorted(i for _, signature in restored for i in signature)
     if covered != sorted(gradients) or len({gradients[i].dtype for i in covered}) > 1:
@@ -217,7 +233,7 @@ def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> N
             "the restored communication state does not match this model's buckets: the first step after "
             "the restart is reduced exactly, and the codec's state is used from the next one"
         )
-        for buffer, _, _ in entries:
+        for buffer, *_ in entries:
             _exact(state, buffer)
         return
     for n, (index, signature) in enumerate(restored):
@@ -225,13 +241,17 @@ def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> N
         sizes = [g.numel() for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         follow_bucket(state, index, signature)
+        views = [v.view_as(g) for v, g in zip(flat.split(sizes), grads)]
+        assembled = _Bucket(index, flat, views, n == len(restored) - 1, [parameters[i] for i in signature])
         if state.powersgd is not None:
-            views = [v.view_as(g) for v, g in zip(flat.split(sizes), grads)]
-            result = _powersgd_bucket(state, _Bucket(index, flat, views, n == len(restored) - 1), step)
-        elif state.hierarchy is not None:
-            result = _hierarchical(state, flat, index, step)
+            result = _powersgd_bucket(state, assembled, step)
         else:
-            result = _flat(state, flat, index, step)
+            state.last_step_compressed = True
+            velocity = bucket_velocity(state.moved, assembled, flat) if state.moved is not None else None
+            if state.hierarchy is not None:
+                result = _hierarchical(state, flat, index, step, velocity)
+            else:
+                result = _flat(state, flat, index, step, velocity)
         for part, g in zip(result.split(sizes), grads):
             g.copy_(part.view_as(g))
 
@@ -286,19 +306,26 @@ def _exact(state: CommState, buffer: torch.Tensor, sparse: bool = False) -> torc
     return buffer
 
 
-def _flat(state: CommState, buffer: torch.Tensor, index: int, step: int) -> torch.Tensor:
+def _flat(
+    state: CommState, buffer: torch.Tensor, index: int, step: int, velocity: torch.Tensor | None = None
+) -> torch.Tensor:
     # With error feedback the buffer is folded into the residual, so the result may reuse it.
     out = buffer if state.feedback is not None else None
-    outcome = start_exchange(state.codec, state.feedback, buffer, index, state.group, 1.0 / _world(state), out).finish()
+    scale = 1.0 / _world(state)
+    outcome = start_exchange(
+        state.codec, state.feedback, buffer, index, state.group, scale, out, velocity=velocity
+    ).finish()
     state.flat_bytes_sent += outcome.sent
     if outcome.fallback is not None:
         _note_fallback(state, f"bucket {index}", step, outcome.fallback)
     return outcome.result
 
 
-def _hierarchical(state: CommState, buffer: torch.Tensor, index: int, step: int) -> torch.Tensor:
+def _hierarchical(
+    state: CommState, buffer: torch.Tensor, index: int, step: int, velocity: torch.Tensor | None = None
+) -> torch.Tensor:
     # Dividing before the reduction keeps fp16 sums from overflowing.
-    result, fallbacks = state.hierarchy.reduce(buffer.div_(_world(state)), index)
+    result, fallbacks = state.hierarchy.reduce(buffer.div_(_world(state)), index, velocity)
     for level, fallback in fallbacks:
         _note_fallback(state, f"bucket {index} ({level})", step, fallback)
     return result

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.amp.ddp import enable_amp
-from trainaccel.comm import checkpoint, failfast
+from trainaccel.comm import checkpoint, failfast, momentum
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
@@ -52,6 +52,11 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
     if config.straggler_every or config.timeline is not None:
         watch_steps(observer, config, comm_wait)
     if config.autotune == "on":
+        if config.compression in momentum.SPARSE_CODECS and config.compression_momentum == "auto":
+            warn_once(
+                f"autotune=on: the {config.compression} candidates run without momentum correction (the optimizer "
+                "keeps its momentum); set compression_momentum, or autotune=off, for it"
+            )
         tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait)
         for candidate in tuner.candidates:
             candidate.state.observer = observer
@@ -61,6 +66,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         return tuner
     state = build_state(ddp_model.process_group, config, param_names, comm_wait)
     state.observer = observer
+    momentum.attach(observer, state, config.compression, config.compression_momentum)
     if _nothing_to_add(state, config):
         # A Python hook costs a few percent over DDP's C++ allreduce; with nothing to add, use that.
         state.builtin = True
@@ -126,14 +132,16 @@ def build_state(
         param_index={pid: i for i, pid in enumerate(param_names or {})},
     )
     if config.compression == "powersgd":
-        state.powersgd = powersgd_state(state.group, config.powersgd_rank)
+        state.powersgd = powersgd_state(state.group, config.powersgd_rank, start=config.compression_warmup)
         if config.hierarchical == "on":
             warn_once("hierarchical=on: powersgd reduces over all workers at once (its payload is already small)")
         return state
     state.codec = get_codec(config.compression, ratio=config.compression_ratio, fp16_scale=config.fp16_scale)
     if state.codec.lossy:
-        sparse = config.compression in ("topk", "randomk")
-        state.feedback = ErrorFeedback(config.compression_momentum if sparse else 0.0)
+        sparse = config.compression in momentum.SPARSE_CODECS
+        explicit = config.compression_momentum if sparse and config.compression_momentum != "auto" else 0.0
+        state.feedback = ErrorFeedback(explicit)  # under auto, the optimizer's momentum comes at the warm-up's end
+        state.warmup_steps = config.compression_warmup if sparse else 0
     wanted = config.hierarchical == "on" or (
         config.hierarchical == "auto" and config.compression in DENSE_CODECS and dist.get_backend(state.group) == "gloo"
     )

@@ -6,17 +6,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-# Plain allreduce for the first START_STEP steps (torch refuses fewer with error feedback or
-# warm start on); it also lets DDP rebuild its buckets before PowerSGD keeps per-bucket state.
+# Plain allreduce for at least the first START_STEP steps (torch refuses fewer with error feedback
+# or warm start on); it also lets DDP rebuild its buckets before PowerSGD keeps per-bucket state.
 START_STEP = 2
 
 
-def powersgd_state(process_group: dist.ProcessGroup | None, rank: int, seed: int = 0) -> PowerSGDState:
-    """PowerSGD of `rank` with error feedback and warm start, compressing after `START_STEP` steps."""
+def powersgd_state(
+    process_group: dist.ProcessGroup | None, rank: int, seed: int = 0, start: int = START_STEP
+) -> PowerSGDState:
+    """PowerSGD of `rank` with error feedback and warm start, compressing after `start` (at least 2) steps."""
     return PowerSGDState(
         process_group=process_group,
         matrix_approximation_rank=rank,
-        start_powerSGD_iter=START_STEP,
+        start_powerSGD_iter=max(START_STEP, start),
         use_error_feedback=True,
         warm_start=True,
         random_seed=seed,
