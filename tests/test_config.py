@@ -174,7 +174,7 @@ def test_names_match_across_code_cli_and_env():
 def test_amp_levels_and_switches_normalise():
     assert Config.resolve(env={"TRAINACCEL_AMP": "O1"}).amp == "on"
     assert Config.resolve(env={}, amp="o0").amp == "off"
-    assert Config.resolve(env={}, amp=True, compile=True).describe().split()[11:15] == [
+    assert Config.resolve(env={}, amp=True, compile=True).describe().split()[12:16] == [
         "amp=on",
         "amp_policy=always",
         "compile=on",

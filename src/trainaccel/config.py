@@ -113,6 +113,18 @@ def _fp16_scale(name: str, raw: Any) -> float | str:
 _fp16_scale.accepted = "dynamic, or a number > 0 (a fixed scale)"  # type: ignore[attr-defined]
 
 
+def _ratio_or_unset(name: str, raw: Any) -> float | None:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return None
+    try:
+        return _number(float, 0.0, 1.0, low_open=True)(name, raw)
+    except ConfigError:
+        raise ConfigError(name, raw, _ratio_or_unset.accepted) from None  # type: ignore[attr-defined]
+
+
+_ratio_or_unset.accepted = "a number in (0, 1], or empty (off)"  # type: ignore[attr-defined]
+
+
 def _momentum(name: str, raw: Any) -> float | str:
     if isinstance(raw, str) and raw.strip().lower() == "auto":
         return "auto"
@@ -179,6 +191,12 @@ class Config:
         0.01,
         _number(float, 0.0, 1.0, low_open=True),
         "fraction of gradient elements that topk and randomk send each step",
+    )
+    compression_ratio_max: float | None = _option(
+        None,
+        _ratio_or_unset,
+        "with a value above compression_ratio, topk's and randomk's ratio adapts between the two: raised while "
+        "error feedback holds back many steps of gradient, lowered when it holds back few (empty: fixed ratio)",
     )
     compression_momentum: float | str = _option(
         "auto",
@@ -344,7 +362,11 @@ class Config:
                     except ConfigError as e:
                         raise ConfigError(e.option, e.value, e.accepted, source) from None
                     break
-        return cls(**values)
+        config = cls(**values)
+        high, low = config.compression_ratio_max, config.compression_ratio
+        if high is not None and high <= low:
+            raise ConfigError("compression_ratio_max", high, f"a number above compression_ratio={low:g}, or empty")
+        return config
 
     @classmethod
     def unknown_env(cls, env: Mapping[str, str] | None = None) -> list[str]:

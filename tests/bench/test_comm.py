@@ -40,7 +40,7 @@ def test_bench_comm_tiny_local_run(tmp_path):
         [*trainaccel_cmd(), "bench", "comm", "--sizes", "4KiB,64KiB", "--iters", "2", "--json", out, "--plot", plot]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "bench comm" in proc.stdout
+    assert "bench comm" in proc.stdout and "2 sizes x 2 codecs, 2 iterations each: " in proc.stdout
     assert plot.read_bytes().startswith(b"\x89PNG")
     _check_rows(json.loads(out.read_text()), world=2, link=None)
 

@@ -67,6 +67,7 @@ def test_bench_data_reports_every_arm(tmp_path, dtype):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["settings"]["dtype"] == dtype and "simplejpeg" in proc.stdout  # the decoder table
+    assert "files, cold cache, repeat 1/1:" in proc.stdout and "images/s" in proc.stdout  # a line per run
     assert all(0 < s < 60 for per in report["seconds_to_first_batch"].values() for v in per.values() for s in v)
     assert set(report["median"]) == {
         "files",

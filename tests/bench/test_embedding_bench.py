@@ -33,7 +33,9 @@ def test_the_arms_run_and_report_lookups(tmp_path, capsys):
             str(report),
         ]
     )
-    assert code == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "trainaccel, repeat 2/2:" in out and "M lookups/s" in out  # a line per arm and repeat as it ends
     result = json.loads(report.read_text())
     assert set(result["arms"]) == {"baseline", "torch-sparse", "trainaccel"} | (
         {"torchrec"} if torchrec_available() is None else set()
@@ -45,7 +47,7 @@ def test_the_arms_run_and_report_lookups(tmp_path, capsys):
         check["every_key_has_its_own_row"] and check["every_row_holds_its_keys_initial_value"] and check["rows"] == 5000
     )
     if torchrec_available() is not None:
-        assert "torchrec" in result["skipped"] and "not run" in capsys.readouterr().out
+        assert "torchrec" in result["skipped"] and "not run" in out
 
 
 def test_the_key_check_sees_a_collision(monkeypatch):

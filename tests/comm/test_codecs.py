@@ -152,3 +152,30 @@ def test_taken_over_momentum_sends_what_torch_sgd_would_apply(nesterov, dampenin
 def test_unknown_codec_is_refused():
     with pytest.raises(ValueError, match="invalid compression='lz4'; accepted: none, fp16, bf16, topk, randomk"):
         get_codec("lz4")
+
+
+def test_adaptive_ratio_moves_by_the_lag_every_few_exchanges(one_process_group):
+    import torch.distributed as dist
+
+    from trainaccel.comm.adaptive import HIGH, LOW, AdaptiveRatio
+
+    adaptive, g = AdaptiveRatio(0.01, 0.08, every=2), torch.ones(100)
+    assert adaptive.ratio("b") == 0.01
+    lagging = g * (HIGH + 1)  # holds back more than HIGH steps of this gradient
+    adaptive.measure("b", lagging, g, 1.0, dist.group.WORLD)
+    assert adaptive.ratio("b") == 0.01  # measured every 2nd exchange only
+    for expected in (0.02, 0.04, 0.08, 0.08):  # doubles up to the upper bound
+        adaptive.measure("b", lagging, g, 1.0, dist.group.WORLD)
+        adaptive.measure("b", lagging, g, 1.0, dist.group.WORLD)
+        assert adaptive.ratio("b") == expected
+    between = g * (LOW + HIGH) / 2
+    adaptive.measure("b", between, g, 1.0, dist.group.WORLD)
+    adaptive.measure("b", between, g, 1.0, dist.group.WORLD)
+    assert adaptive.ratio("b") == 0.08  # neither lagging nor safe: kept
+    for expected in (0.04, 0.02, 0.01, 0.01):  # the gradient is scaled by 0.5 before comparing: lag 1 < LOW
+        adaptive.measure("b", g * 0.5, g, 1.0, dist.group.WORLD)
+        adaptive.measure("b", g * 0.5, g, 1.0, dist.group.WORLD)
+        assert adaptive.ratio("b") == expected
+    assert adaptive.ratio("other") == 0.01  # per bucket
+    with pytest.raises(ValueError, match="accepted: 0 < low < high <= 1"):
+        AdaptiveRatio(0.1, 0.05)

@@ -4,9 +4,7 @@ import pytest
 
 from conftest import SCRIPTS, read_ranks, run_nodes
 
-pytestmark = pytest.mark.multiprocess
-
-SETTINGS = ["heavy_ball", "nesterov", "dampening", "weight_decay", "groups", "no_momentum"]
+SETTINGS = ["heavy_ball", "nesterov", "dampening", "weight_decay", "groups", "no_momentum", "one_cycle"]
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +19,7 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("codec", ["topk", "randomk"])
 @pytest.mark.parametrize("hierarchical", ["off", "on"])
 @pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.multiprocess
 def test_sending_everything_equals_torch_sgd_on_the_exact_mean(ranks, codec, hierarchical, setting):
     for r in ranks[0]:
         case = r["exact"][f"{codec}/{hierarchical}/{setting}"]
@@ -30,11 +29,15 @@ def test_sending_everything_equals_torch_sgd_on_the_exact_mean(ranks, codec, hie
             assert case["moved"] == 0 and case["saved_groups"][0]["weight_decay"] == 0.01
             continue
         # Taken over: the live optimizer runs without momentum or buffers; its state_dict() is the script's.
-        assert case["moved"] > 0 and set(case["live_momentum"]) == {0.0} and case["buffers"] == 0
+        assert case["moved"] > 0 and case["buffers"] == 0
+        if setting != "one_cycle":  # (OneCycleLR set the next step's momentum after the last one: taken at it)
+            assert set(case["live_momentum"]) == {0.0}
         for group in case["saved_groups"]:
-            assert group["momentum"] in (0.8, 0.9) and "trainaccel_moved" not in group
+            assert group["momentum"] in (0.8, 0.9) or setting == "one_cycle"
+            assert group["momentum"] > 0 and "trainaccel_moved" not in group
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["topk/nesterov=False", "topk/nesterov=True", "randomk/nesterov=False"])
 def test_what_was_applied_is_momentum_sgd_minus_the_residuals(ranks, case):
     for r in ranks[0]:
@@ -43,6 +46,7 @@ def test_what_was_applied_is_momentum_sgd_minus_the_residuals(ranks, case):
         assert found["max_abs_err"] <= 1e-5 * max(1.0, found["gap"]), found
 
 
+@pytest.mark.multiprocess
 def test_shutdown_gives_the_optimizer_its_settings_back(ranks):
     for r in ranks[0]:
         decay, rest = r["after_shutdown"]
@@ -51,7 +55,43 @@ def test_shutdown_gives_the_optimizer_its_settings_back(ranks):
         assert "trainaccel_moved" not in decay
 
 
+@pytest.mark.multiprocess
 def test_adaptive_optimizers_are_warned_about_once(ranks):
     out = ranks[1]
     assert out.count("compression=topk with AdamW") == 1  # once per job (rank 0)
     assert "expect a worse loss than plain DDP" in out
+
+
+@pytest.mark.parametrize(
+    "compression, optimizer, expected",
+    [
+        ("topk", "sgd", None),
+        ("randomk", "sgd", None),
+        ("topk", "momentum", "ended 4% above plain DDP's validation loss"),
+        ("randomk", "momentum", "it did not train (1% and 10%)"),
+        ("topk", "adamw", "AdamW scales each coordinate by its own gradient history"),
+        ("randomk", "adam", "Adam scales each coordinate"),
+        ("topk", "rmsprop", "RMSprop scales"),
+        ("powersgd", "adamw", "PowerSGD's low-rank approximation"),
+        ("powersgd", "momentum", "PowerSGD's low-rank approximation"),
+        ("powersgd", "sgd", None),
+    ],
+)
+def test_each_codec_and_optimizer_is_judged_by_what_was_measured(compression, optimizer, expected):
+    import torch
+
+    from trainaccel.comm.momentum import quality_warning
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    built = {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.1),
+        "momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+        "adamw": lambda: torch.optim.AdamW(params),
+        "adam": lambda: torch.optim.Adam(params),
+        "rmsprop": lambda: torch.optim.RMSprop(params),
+    }[optimizer]()
+    found = quality_warning(compression, built)
+    if expected is None:
+        assert found is None
+    else:
+        assert expected in found and "compression=fp16 or bf16 keep quality" in found

@@ -90,6 +90,17 @@ def test_error_feedback_tracks_the_exact_sum(ranks, name, bound):
     assert ranks[0]["feedback_topk_hierarchical"]["hierarchical"] is True
 
 
+@pytest.mark.parametrize("name", ["topk_adaptive", "randomk_adaptive_hierarchical"])
+def test_the_adaptive_ratio_rises_alike_on_every_rank_and_tracks_the_sum_closer(ranks, name):
+    ratios = [r[f"feedback_{name}"]["ratios"] for r in ranks]
+    assert all(found == ratios[0] for found in ratios)  # every rank switched alike
+    assert ranks[0][f"feedback_{name}"]["hierarchical"] is name.endswith("hierarchical")
+    assert max(ratio for _, ratio in ratios[0]) > 0.01  # 1% held back many steps of gradient: raised
+    assert all(0.01 <= ratio <= 0.2 for _, ratio in ratios[0])
+    for r in ranks:  # sending more where it lagged tracks the exact sum closer than a fixed 1%
+        assert r[f"feedback_{name}"]["rel_err"] < r["feedback_topk_1%"]["rel_err"]
+
+
 def test_uneven_nodes_reduce_flat_with_one_warning(tmp_path):
     procs = run_nodes(SCRIPTS / "uneven_nodes.py", tmp_path, per_node=[2, 1])
     for proc in procs:

@@ -149,6 +149,11 @@ for name, options in {
     "topk": dict(compression="topk", compression_ratio=0.1),
     "topk_1%": dict(compression="topk", compression_ratio=0.01),
     "topk_hierarchical": dict(compression="topk", compression_ratio=0.1, hierarchical="on"),
+    # The adaptive ratio: 1% at first, raised (every 10 steps, up to 20%) while the residual holds much back.
+    "topk_adaptive": dict(compression="topk", compression_ratio=0.01, compression_ratio_max=0.2),
+    "randomk_adaptive_hierarchical": dict(
+        compression="randomk", compression_ratio=0.01, compression_ratio_max=0.2, hierarchical="on"
+    ),
     "randomk": dict(compression="randomk", compression_ratio=0.1),
     "powersgd": dict(compression="powersgd", powersgd_rank=2),
     # Several buckets in flight at once (torch's PowerSGD hook alone can deadlock Gloo here).
@@ -163,7 +168,10 @@ for name, options in {
         total_exact += exact_mean(world, step, "drift")
     entry = {"rel_err": ((total_applied - total_exact).norm() / total_exact.norm()).item()}
     entry["hierarchical"] = state.hierarchical
-    if options.get("compression") in ("topk", "randomk") and "hierarchical" not in options:
+    adaptive = getattr(state.codec, "adaptive", None)
+    if adaptive is not None:
+        entry["ratios"] = sorted([str(key), value[0]] for key, value in adaptive.ratios.items())
+    if options.get("compression") in ("topk", "randomk") and "hierarchical" not in options and adaptive is None:
         codec = get_codec(options["compression"], ratio=options["compression_ratio"])
         total_plain = torch.zeros_like(total_applied)
         for step in range(1, STEPS + 1):

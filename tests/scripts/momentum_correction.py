@@ -26,6 +26,7 @@ SETTINGS = {
     "weight_decay": dict(momentum=0.9, nesterov=True, weight_decay=0.05),
     "groups": "weight decay on weights only, as scripts often do",
     "no_momentum": dict(weight_decay=0.01),
+    "one_cycle": "OneCycleLR, which sets the momentum at every step",
 }
 
 
@@ -40,7 +41,15 @@ def optimizer_for(model: nn.Module, setting: str) -> torch.optim.SGD:
         rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
         groups = [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}]
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+    if setting == "one_cycle":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     return torch.optim.SGD(model.parameters(), lr=0.1, **SETTINGS[setting])
+
+
+def scheduler_for(opt: torch.optim.SGD, setting: str):
+    if setting == "one_cycle":
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=STEPS, base_momentum=0.5)
+    return torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +61,7 @@ def reference(setting: str, world: int) -> list[torch.Tensor]:
     """torch's SGD on the exact mean of every rank's gradient, with a changing learning rate."""
     model = build()
     opt = optimizer_for(model, setting)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    sched = scheduler_for(opt, setting)
     for step in range(STEPS):
         opt.zero_grad()
         for r in range(world):
@@ -67,7 +76,7 @@ def trained(setting: str, rank: int, **options) -> tuple[DDP, torch.optim.SGD, o
     model = DDP(build())
     state = register(model, compression_warmup=WARMUP, **options)
     opt = optimizer_for(model, setting)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    sched = scheduler_for(opt, setting)
     for step in range(STEPS):
         opt.zero_grad()
         x, y = batch(rank, step)

@@ -11,6 +11,7 @@ from pathlib import Path
 from trainaccel.bench.emulate import EmulationError, parse_emulate
 from trainaccel.bench.jobs import bench_session, report_header, run_workers
 from trainaccel.bench.plot import check_available, plot_comm
+from trainaccel.bench.progress import progress
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, plain_env
 
@@ -81,9 +82,11 @@ def main(args: argparse.Namespace) -> int:
                 f"--warmup={args.warmup}",
                 f"--out={out}",
             ]
-            result = run_workers(
-                "bench comm", TORCHRUN, worker, out, plain_env(), nproc_per_node=args.nproc_per_node, cluster=cluster
-            )
+            with progress("bench comm", 1) as report:
+                report.start(f"{len(sizes)} sizes x {len(codecs)} codecs, {args.iters} iterations each")
+                env, workers = plain_env(), args.nproc_per_node
+                result = run_workers("bench comm", TORCHRUN, worker, out, env, nproc_per_node=workers, cluster=cluster)
+                report.done(f"{len(result['rows'])} rows measured")
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench comm: error: {e}", file=sys.stderr)
         return 1

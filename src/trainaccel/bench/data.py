@@ -23,6 +23,7 @@ from trainaccel.bench.image_data import (
     tfrecord_package_dataset,
 )
 from trainaccel.bench.jobs import report_header
+from trainaccel.bench.progress import progress
 
 ARMS = ("files", "records", "records-pil", "records-256", "tfrecord", "memory", "loader-only")
 DECODE_SIZE = (160, 120)  # half the synthetic images' size or less: JPEGs decode at 1/2 scale
@@ -167,18 +168,21 @@ def main(args: argparse.Namespace) -> int:
     built = {arm: build_arm(arm, places, transform) for arm in arms}
     rates: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
     startup: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
-    for _ in range(args.repeats):  # interleaved, so drifts of the machine hit every arm alike
-        for arm in arms:
-            dataset, files = built[arm]
-            for cache in caches:
-                if cache == "cold":
-                    evict(files)
-                elif "cold" not in caches and not rates[arm]["warm"]:
-                    images_per_second(dataset, args.workers, args.batch_size)  # fill the cache first
-                # (warm after cold: the cold pass has just read every file into the cache)
-                rate, seconds = images_per_second(dataset, args.workers, args.batch_size)
-                rates[arm][cache].append(rate)
-                startup[arm][cache].append(seconds)
+    with progress("bench data", args.repeats * len(arms) * len(caches)) as report:
+        for repeat in range(args.repeats):  # interleaved, so drifts of the machine hit every arm alike
+            for arm in arms:
+                dataset, files = built[arm]
+                for cache in caches:
+                    report.start(f"{arm}, {cache} cache, repeat {repeat + 1}/{args.repeats}")
+                    if cache == "cold":
+                        evict(files)
+                    elif "cold" not in caches and not rates[arm]["warm"]:
+                        images_per_second(dataset, args.workers, args.batch_size)  # fill the cache first
+                    # (warm after cold: the cold pass has just read every file into the cache)
+                    rate, seconds = images_per_second(dataset, args.workers, args.batch_size)
+                    rates[arm][cache].append(rate)
+                    startup[arm][cache].append(seconds)
+                    report.done(f"{rate:.0f} images/s")
     summary = {arm: {c: statistics.median(v) for c, v in per.items()} for arm, per in rates.items()}
     ratios = None
     if "files" in arms:  # the median of the per-repeat ratios: each repeat's arms ran side by side

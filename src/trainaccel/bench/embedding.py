@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trainaccel.bench.jobs import report_header
+from trainaccel.bench.progress import progress
 from trainaccel.bench.recsys import NUM_SPARSE, CriteoSynthetic, feature_keys
 
 ARMS = ("baseline", "torch-sparse", "trainaccel", "torchrec")
@@ -157,13 +158,16 @@ def time_arms(arms: list[str], args: argparse.Namespace) -> dict[str, dict]:
             steps[arm](batches[done[arm] % len(batches)])
             done[arm] += 1
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
-    for _ in range(args.repeats):
-        for arm in arms:  # interleaved: drift on a shared machine hits every arm alike
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                steps[arm](batches[done[arm] % len(batches)])
-                done[arm] += 1
-            rates[arm].append(args.batch_size * NUM_SPARSE * args.steps / (time.perf_counter() - start))
+    with progress("bench embedding", args.repeats * len(arms)) as report:
+        for repeat in range(args.repeats):
+            for arm in arms:  # interleaved: drift on a shared machine hits every arm alike
+                report.start(f"{arm}, repeat {repeat + 1}/{args.repeats}")
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    steps[arm](batches[done[arm] % len(batches)])
+                    done[arm] += 1
+                rates[arm].append(args.batch_size * NUM_SPARSE * args.steps / (time.perf_counter() - start))
+                report.done(f"{rates[arm][-1] / 1e6:.2f} M lookups/s")
     results = {}
     for arm, r in rates.items():
         results[arm] = {"lookups_per_s": r, "median": statistics.median(r), "min": min(r), "max": max(r)}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation
+from trainaccel.bench.progress import progress
 from trainaccel.launch.local import run_job, run_together
 
 
@@ -124,18 +125,13 @@ def run_interleaved(
     A progress bar shows the run in flight and a line is printed as each ends. Errors
     (RuntimeError, EmulationError, KeyboardInterrupt) propagate after workers and namespaces are gone.
     """
-    from rich.progress import Progress
-
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    with bench_session(emulation) as (tmp, cluster), Progress() as progress:
-        bar = progress.add_task(title, total=repeats * len(arms))
+    with bench_session(emulation) as (tmp, cluster), progress(title, repeats * len(arms)) as report:
         for repeat in range(repeats):
             for i, arm in enumerate(arms):
-                where = f"{arm}, repeat {repeat + 1}/{repeats}"
-                progress.update(bar, description=where)
+                report.start(f"{arm}, repeat {repeat + 1}/{repeats}")
                 port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
                 result = run_one(arm, tmp / f"arm{i}-{repeat}.json", cluster, port, repeat)
                 runs[arm].append(result)
-                progress.console.print(f"{where}: {describe(result)}")
-                progress.advance(bar)
+                report.done(describe(result))
     return runs

@@ -43,6 +43,9 @@ def bucket_stores(state: Any) -> dict[str, dict]:
             values = getattr(codec, store, None)
             if values is not None:
                 stores[f"{prefix}{store}"] = values
+        adaptive = getattr(codec, "adaptive", None)
+        if adaptive is not None:  # an adaptive ratio's current ratio
+            stores[f"{prefix}ratios"] = adaptive.ratios
     if state.powersgd is not None:
         powersgd = state.powersgd
         stores["powersgd_error"] = powersgd.error_dict

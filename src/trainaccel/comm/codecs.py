@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from trainaccel.comm.adaptive import AdaptiveRatio
+
 
 class Codec(Protocol):
     name: str
@@ -90,13 +92,13 @@ class TopK:
 
     name, summable, lossy = "topk", False, True
 
-    def __init__(self, ratio: float, seed: int = 0):
-        self.ratio = ratio
+    def __init__(self, ratio: float, seed: int = 0, adaptive: AdaptiveRatio | None = None):
+        self.ratio, self.adaptive = ratio, adaptive
         self._sampler = torch.Generator().manual_seed(seed)
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
         n = tensor.numel()
-        k = max(1, math.ceil(n * self.ratio))
+        k = max(1, math.ceil(n * (self.adaptive.ratio(key) if self.adaptive is not None else self.ratio)))
         indices = self._top_indices(tensor.abs(), k)
         values = tensor[indices].to(torch.float32)
         payload = torch.cat([values, indices.to(torch.int32).view(torch.float32)])
@@ -160,12 +162,12 @@ class RandomK:
 
     name, summable, lossy = "randomk", True, True
 
-    def __init__(self, ratio: float, seed: int = 0):
-        self.ratio, self.seed = ratio, seed
+    def __init__(self, ratio: float, seed: int = 0, adaptive: AdaptiveRatio | None = None):
+        self.ratio, self.seed, self.adaptive = ratio, seed, adaptive
         self.rounds: dict[Any, list[int]] = {}  # per key: [n, a, b, position in the round, rounds drawn]
 
     def _positions(self, n: int, key: Any) -> torch.Tensor:
-        k = max(1, math.ceil(n * self.ratio))
+        k = max(1, math.ceil(n * (self.adaptive.ratio(key) if self.adaptive is not None else self.ratio)))
         state = self.rounds.get(key)
         if state is None or state[0] != n or state[3] >= n:
             drawn = state[4] if state is not None and state[0] == n else 0
@@ -206,8 +208,14 @@ class RandomK:
 CODECS = ("none", "fp16", "bf16", "topk", "randomk")
 
 
-def get_codec(name: str, *, ratio: float = 0.01, fp16_scale: float | str = 1.0, seed: int = 0) -> Codec:
-    """The codec for a `compression` value (`powersgd` is a hook of its own, not a codec)."""
+def get_codec(
+    name: str, *, ratio: float = 0.01, fp16_scale: float | str = 1.0, seed: int = 0, ratio_max: float | None = None
+) -> Codec:
+    """The codec for a `compression` value (`powersgd` is a hook of its own, not a codec).
+
+    With `ratio_max` above `ratio`, topk's and randomk's ratio adapts between them (`AdaptiveRatio`).
+    """
+    adaptive = AdaptiveRatio(ratio, ratio_max) if ratio_max is not None and name in ("topk", "randomk") else None
     if name == "none":
         return NoCompression()
     if name == "fp16":
@@ -215,9 +223,9 @@ def get_codec(name: str, *, ratio: float = 0.01, fp16_scale: float | str = 1.0, 
     if name == "bf16":
         return CastCompression("bf16", torch.bfloat16)
     if name == "topk":
-        return TopK(ratio, seed)
+        return TopK(ratio, seed, adaptive)
     if name == "randomk":
-        return RandomK(ratio, seed)
+        return RandomK(ratio, seed, adaptive)
     raise ValueError(f"invalid compression={name!r}; accepted: {', '.join(CODECS)}")
 
 

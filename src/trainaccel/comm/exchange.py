@@ -70,6 +70,9 @@ class Pending:
         self.payload, self.ctx = codec.compress(corrected, key)
         if feedback is not None:
             feedback.update(key, corrected, codec, self.payload, self.ctx)
+            adaptive = getattr(codec, "adaptive", None)
+            if adaptive is not None:  # `corrected` now holds what waits: the residual
+                adaptive.measure(key, corrected, tensor, scale, group)
         self.size = dist.get_world_size(group)
         self.sent = received_bytes(self.payload, codec.summable, self.size)
         self.collective = span_name or ("allreduce" if codec.summable else "allgather")

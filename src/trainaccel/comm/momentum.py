@@ -14,6 +14,9 @@ The optimizer's `state_dict()` keeps reporting the script's settings (without mo
 so a checkpoint also resumes under plain torch; `shutdown()` gives the settings back. An optimizer
 this cannot take over (another type, maximize, groups with different momentum, parameters of other
 models) keeps its momentum, and a warning says that the loss will likely be worse.
+
+Each lossy codec also says once, at the first step of an optimizer, where our measurements say it
+costs quality with that optimizer (`quality_warning`).
 """
 
 from __future__ import annotations
@@ -63,27 +66,68 @@ class MovedMomentum:
 
 
 def attach(observer: StepObserver, state: Any, compression: str, momentum: float | str) -> None:
-    """Watch the optimizers stepping `observer`'s model: warn about adaptive ones, take over SGD's momentum."""
-    if compression not in SPARSE_CODECS:
+    """Watch the optimizers stepping `observer`'s model: say once where the codec costs quality, take over SGD's
+    momentum."""
+    if compression not in (*SPARSE_CODECS, "powersgd"):
         return
-    if momentum == "auto":
+    if momentum == "auto" and compression in SPARSE_CODECS:
         state.moved = MovedMomentum()
     warned: set[str] = set()
 
     def on_step(observer: StepObserver, optimizer: torch.optim.Optimizer, before: bool) -> None:
         kind = type(optimizer).__name__
-        if kind in ADAPTIVE and kind not in warned:
+        if kind not in warned:
             warned.add(kind)
-            warn_once(
-                f"compression={compression} with {kind}: {kind} scales each coordinate by its own gradient history, "
-                "which a sparse codec's delayed updates distort; expect a worse loss than plain DDP at equal steps "
-                "(use compression=fp16 or bf16 to keep quality)"
-            )
+            why = quality_warning(compression, optimizer)
+            if why is not None:
+                warn_once(f"compression={compression} with {kind}: {why}")
         if state.moved is not None:
             take_over(observer, state, optimizer, before)
 
+    def at_step_begin(observer: StepObserver, args: tuple, kwargs: dict) -> None:
+        # A scheduler steps after the optimizer (OneCycleLR sets momentum): catch it before this step's backward.
+        for optimizer in list(state.moved.optimizers):
+            if _is_moved(optimizer):
+                _follow_changes(state, optimizer)
+
+    if state.moved is not None:
+        observer.subscribe("step_begin", at_step_begin)
     observer.subscribe("before_optimizer_step", lambda o, opt: on_step(o, opt, True))
     observer.subscribe("after_optimizer_step", lambda o, opt: on_step(o, opt, False))
+
+
+def quality_warning(compression: str, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `compression` will likely end with a worse validation loss than plain DDP under `optimizer`, or None.
+
+    From `trainaccel bench quality` (docs/BENCHMARKS.md): a momentum-free SGD is the case error feedback is
+    made for; with momentum or an adaptive optimizer, the sparse codecs lost more than 2% in every trial.
+    """
+    kind = type(optimizer).__name__
+    keep = "compression=fp16 or bf16 keep quality (docs/BENCHMARKS.md)"
+    if compression == "powersgd":
+        if kind in ADAPTIVE or (isinstance(optimizer, torch.optim.SGD) and _momentum_of(optimizer)["momentum"]):
+            return (
+                "PowerSGD's low-rank approximation with error feedback ended 7% above plain DDP's validation loss "
+                f"with AdamW (and above it with SGD + Nesterov momentum) in our trials; {keep}"
+            )
+        return None
+    if kind in ADAPTIVE:
+        return (
+            f"{kind} scales each coordinate by its own gradient history, which a sparse codec's delayed updates "
+            f"distort; expect a worse loss than plain DDP at equal steps; {keep}"
+        )
+    momentum = _momentum_of(optimizer)["momentum"] if isinstance(optimizer, torch.optim.SGD) else 0.0
+    if not momentum:  # a momentum-free SGD (what error feedback is made for), or an optimizer unknown here
+        return None
+    if compression == "randomk":
+        return (
+            "randomk holds each element back for up to 1/compression_ratio steps, and momentum turns those delays "
+            f"into overshoot: it did not train (1% and 10%) with SGD + Nesterov momentum in our trials; {keep}"
+        )
+    return (
+        "even with momentum correction, topk at 1% ended 4% above plain DDP's validation loss with SGD + Nesterov "
+        f"momentum in our trials (2% at compression_ratio=0.1, which sends more than fp16 does); {keep}"
+    )
 
 
 def feedbacks(state: Any) -> list[Any]:
@@ -102,7 +146,11 @@ def take_over(observer: StepObserver, state: Any, optimizer: torch.optim.Optimiz
     an optimizer built or reloaded mid-run): its buffers are dropped, the engine's velocities hold them.
     """
     moved = state.moved
-    if optimizer in moved.declined or (optimizer in moved.optimizers and _is_moved(optimizer)):
+    if optimizer in moved.declined:
+        return
+    if optimizer in moved.optimizers and _is_moved(optimizer):
+        if before:  # set after this step's forward: the engine follows from the next step (one step late)
+            _follow_changes(state, optimizer)
         return
     due = state.last_step_compressed if before else state.reductions >= max(1, state.warmup_steps)
     if not due:
@@ -135,10 +183,7 @@ def take_over(observer: StepObserver, state: Any, optimizer: torch.optim.Optimiz
             if buffer is not None and not before:
                 moved.pending[id(p)] = buffer.div_(world)
         group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
-    moved.momentum, moved.dampening, moved.nesterov = settings["momentum"], settings["dampening"], settings["nesterov"]
-    for feedback in feedbacks(state):
-        feedback.momentum, feedback.dampening, feedback.nesterov = moved.momentum, moved.dampening, moved.nesterov
-        feedback.masking = False  # measured: masking the momentum factor cost quality (docs/communication.md)
+    _apply(state, settings)
     if optimizer not in moved.optimizers:
         moved.optimizers.add(optimizer)
         if optimizer not in _taken:
@@ -151,6 +196,20 @@ def take_over(observer: StepObserver, state: Any, optimizer: torch.optim.Optimiz
         f"{moved.momentum:g}{' (Nesterov)' if moved.nesterov else ''} and weight decay from step "
         f"{state.reductions + (0 if before else 1)} (momentum correction; the optimizer runs without them)"
     )
+
+
+def _follow_changes(state: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A scheduler (OneCycleLR cycles momentum) or the script set momentum or weight decay in a group taken
+    over: the engine applies the new values from the next step on, and the optimizer stays without them."""
+    moved = state.moved
+    for group in optimizer.param_groups:
+        if MARK not in group or not any(group[k] for k in MOVED):
+            continue
+        group[MARK].update({k: group[k] for k in MOVED if group[k]})
+        _apply(state, group[MARK])
+        for p in group["params"]:
+            moved.weight_decay[id(p)] = group[MARK]["weight_decay"]
+        group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
 
 
 def _is_moved(optimizer: torch.optim.Optimizer) -> bool:
@@ -228,9 +287,15 @@ def bucket_velocity(moved: MovedMomentum, bucket: Any, buffer: torch.Tensor) -> 
 def restore_moved(state: Any, saved: dict[str, Any]) -> None:
     """Apply a checkpoint's moved momentum (see `take_over`) before the resumed job's first step."""
     moved, id_of = state.moved, {name: i for i, name in state.param_names.items()}
-    moved.momentum, moved.dampening, moved.nesterov = saved["momentum"], saved["dampening"], saved["nesterov"]
+    _apply(state, saved)
     moved.weight_decay = {id_of[name]: decay for name, decay in saved["weight_decay"].items() if name in id_of}
     moved.pending.clear()
+
+
+def _apply(state: Any, settings: dict[str, Any]) -> None:
+    """The engine's momentum from now on: `settings`' momentum, dampening and Nesterov flag."""
+    moved = state.moved
+    moved.momentum, moved.dampening, moved.nesterov = (settings[k] for k in ("momentum", "dampening", "nesterov"))
     for feedback in feedbacks(state):
         feedback.momentum, feedback.dampening, feedback.nesterov = moved.momentum, moved.dampening, moved.nesterov
-        feedback.masking = False
+        feedback.masking = False  # masking the momentum factor cost quality in our trials (docs/communication.md)

@@ -136,7 +136,12 @@ def build_state(
         if config.hierarchical == "on":
             warn_once("hierarchical=on: powersgd reduces over all workers at once (its payload is already small)")
         return state
-    state.codec = get_codec(config.compression, ratio=config.compression_ratio, fp16_scale=config.fp16_scale)
+    state.codec = get_codec(
+        config.compression,
+        ratio=config.compression_ratio,
+        fp16_scale=config.fp16_scale,
+        ratio_max=config.compression_ratio_max,  # Config.resolve checked it is above the ratio
+    )
     if state.codec.lossy:
         sparse = config.compression in momentum.SPARSE_CODECS
         explicit = config.compression_momentum if sparse and config.compression_momentum != "auto" else 0.0
