@@ -166,7 +166,8 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
 
 
 class _Bucket:
-    """A bucket of the engine's making, for torch's PowerSGD hook: what `GradBucket` offers it."""
+    """A bucket of the engine's making (a restored checkpoint's): what `GradBucket` offers torch's PowerSGD hook
+    and the moved momentum (`bucket_velocity`)."""
 
     def __init__(
         self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor], last: bool, parameters: list = ()
