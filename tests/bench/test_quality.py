@@ -180,3 +180,20 @@ def test_a_tiny_run_of_every_arm_reports_curves_quality_and_bytes(tmp_path):
     assert arms["fp16"]["bytes_per_step"] == pytest.approx((parameters * 4 + 5 * parameters * 2) / 6, abs=1)
     assert arms["baseline"]["bytes_per_step"] == parameters * 4 and arms["local"]["bytes_per_step"] == 0
     assert arms["local"]["share_of_ceiling"] == 1.0 and report["arm_options"]["fp16"] == {"compression": "fp16"}
+
+
+@pytest.mark.parametrize(
+    "error, code, line",
+    [
+        (RuntimeError("arm 'x' failed"), 1, "error: arm 'x' failed"),
+        (KeyboardInterrupt(), 130, "interrupted; workers stopped"),
+    ],
+)
+def test_a_failed_or_interrupted_run_ends_with_its_exit_code_and_one_line(capsys, error, code, line):
+    from trainaccel.bench.jobs import interleaved_or_exit_code
+
+    def run_one(*args):
+        raise error
+
+    assert interleaved_or_exit_code("quality", "title", ["x"], 1, None, run_one, str) == (None, code)
+    assert f"trainaccel bench quality: {line}" in capsys.readouterr().err

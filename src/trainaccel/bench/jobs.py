@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation
+from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, EmulationError
 from trainaccel.bench.progress import progress
 from trainaccel.launch.local import run_job, run_together
 
@@ -135,3 +135,31 @@ def run_interleaved(
                 runs[arm].append(result)
                 report.done(describe(result))
     return runs
+
+
+def interleaved_or_exit_code(
+    command: str,
+    title: str,
+    arms: list[str],
+    repeats: int,
+    emulation: Emulation | None,
+    run_one: RunOne,
+    describe: Callable[[dict], str],
+) -> tuple[dict[str, list[dict]] | None, int]:
+    """`run_interleaved` for `trainaccel bench <command>`: (runs, 0), or (None, the exit code) after one line
+    on stderr when a run failed (1) or was interrupted (130)."""
+    try:
+        return run_interleaved(title, arms, repeats, emulation, run_one, describe), 0
+    except (RuntimeError, EmulationError) as e:
+        print(f"trainaccel bench {command}: error: {e}", file=sys.stderr)
+        return None, 1
+    except KeyboardInterrupt:
+        print(f"trainaccel bench {command}: interrupted; workers stopped and namespaces removed", file=sys.stderr)
+        return None, 130
+
+
+def describe_workers(emulation: Emulation | None, nproc_per_node: int) -> str:
+    """`2 nodes x 2 workers, link 500mbit`, or `2 workers` on this machine alone: for a table's title."""
+    if emulation is None:
+        return f"{nproc_per_node} workers"
+    return f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"

@@ -16,8 +16,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from trainaccel.bench.emulate import EmulatedCluster, EmulationError
-from trainaccel.bench.jobs import report_header, run_interleaved, run_workers
+from trainaccel.bench.emulate import EmulatedCluster
+from trainaccel.bench.jobs import describe_workers, interleaved_or_exit_code, report_header, run_workers
 from trainaccel.bench.plot import plot_quality
 from trainaccel.bench.tasks import TASKS
 from trainaccel.bench.train import arm_settings, parse_arms
@@ -177,34 +177,26 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
         return 2
-    try:
-        runs = run_interleaved(
-            f"bench quality {args.task}",
-            list(arm_options),
-            args.repeats,
-            emulation,
-            # Each repeat its own seed (initial model and batches), the same for every arm in it: a
-            # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
-            lambda arm, out, cluster, port, repeat: _run_arm(
-                arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port, seed=repeat
-            ),
-            lambda result: (
-                f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
-                f"{task.metric} {result['final_validation_accuracy']:.1%}"
-            ),
-        )
-    except (RuntimeError, EmulationError) as e:
-        print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("trainaccel bench quality: interrupted; workers stopped and namespaces removed", file=sys.stderr)
-        return 130
-    summary = summarize(runs)
-    workers = (
-        f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"
-        if emulation
-        else f"{args.nproc_per_node} workers"
+    runs, code = interleaved_or_exit_code(
+        "quality",
+        f"bench quality {args.task}",
+        list(arm_options),
+        args.repeats,
+        emulation,
+        # Each repeat its own seed (initial model and batches), the same for every arm in it: a
+        # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
+        lambda arm, out, cluster, port, repeat: _run_arm(
+            arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port, seed=repeat
+        ),
+        lambda result: (
+            f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
+            f"{task.metric} {result['final_validation_accuracy']:.1%}"
+        ),
     )
+    if runs is None:
+        return code
+    summary = summarize(runs)
+    workers = describe_workers(emulation, args.nproc_per_node)
     title = (
         f"bench quality {args.task}: {args.steps} steps, {workers} x batch {args.batch_size}, "
         f"median of {args.repeats}; target loss = plain DDP's + {TOLERANCE:.0%}"

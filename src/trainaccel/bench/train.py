@@ -9,8 +9,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, parse_emulate
-from trainaccel.bench.jobs import report_header, run_interleaved, run_workers
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, parse_emulate
+from trainaccel.bench.jobs import describe_workers, interleaved_or_exit_code, report_header, run_workers
 from trainaccel.bench.models import MODELS
 from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.recsys import RECSYS_MODELS
@@ -218,29 +218,21 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench train: error: {e}", file=sys.stderr)
         return 2
-    try:
-        runs = run_interleaved(
-            f"bench train {args.model}",
-            list(arm_options),
-            args.repeats,
-            emulation,
-            lambda arm, out, cluster, port, repeat: _run_arm(
-                arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port
-            ),
-            lambda result: f"{result['examples_per_s_per_worker']:.1f} examples/s per worker",
-        )
-    except (RuntimeError, EmulationError) as e:
-        print(f"trainaccel bench train: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("trainaccel bench train: interrupted; workers stopped and namespaces removed", file=sys.stderr)
-        return 130
-    summary = summarize(runs)
-    workers = (
-        f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"
-        if emulation
-        else f"{args.nproc_per_node} workers"
+    runs, code = interleaved_or_exit_code(
+        "train",
+        f"bench train {args.model}",
+        list(arm_options),
+        args.repeats,
+        emulation,
+        lambda arm, out, cluster, port, repeat: _run_arm(
+            arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port
+        ),
+        lambda result: f"{result['examples_per_s_per_worker']:.1f} examples/s per worker",
     )
+    if runs is None:
+        return code
+    summary = summarize(runs)
+    workers = describe_workers(emulation, args.nproc_per_node)
     title = f"bench train {args.model}: {workers} x batch {args.batch_size}, median of {args.repeats}" + (
         f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else ""
     )
