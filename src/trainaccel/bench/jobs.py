@@ -112,31 +112,6 @@ def report_header(benchmark: str, args: argparse.Namespace) -> dict:
 RunOne = Callable[[str, Path, EmulatedCluster | None, int, int], dict]
 
 
-def run_interleaved(
-    title: str,
-    arms: list[str],
-    repeats: int,
-    emulation: Emulation | None,
-    run_one: RunOne,
-    describe: Callable[[dict], str],
-) -> dict[str, list[dict]]:
-    """Each arm `repeats` times, interleaved, so that drift on a shared machine hits every arm alike.
-
-    A progress bar shows the run in flight and a line is printed as each ends. Errors
-    (RuntimeError, EmulationError, KeyboardInterrupt) propagate after workers and namespaces are gone.
-    """
-    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    with bench_session(emulation) as (tmp, cluster), progress(title, repeats * len(arms)) as report:
-        for repeat in range(repeats):
-            for i, arm in enumerate(arms):
-                report.start(f"{arm}, repeat {repeat + 1}/{repeats}")
-                port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
-                result = run_one(arm, tmp / f"arm{i}-{repeat}.json", cluster, port, repeat)
-                runs[arm].append(result)
-                report.done(describe(result))
-    return runs
-
-
 def interleaved_or_exit_code(
     command: str,
     title: str,
@@ -146,16 +121,29 @@ def interleaved_or_exit_code(
     run_one: RunOne,
     describe: Callable[[dict], str],
 ) -> tuple[dict[str, list[dict]] | None, int]:
-    """`run_interleaved` for `trainaccel bench <command>`: (runs, 0), or (None, the exit code) after one line
-    on stderr when a run failed (1) or was interrupted (130)."""
+    """Each arm `repeats` times, interleaved, so that drift on a shared machine hits every arm alike.
+
+    A progress bar shows the run in flight and a line is printed as each ends. Returns (runs, 0), or
+    (None, the exit code) after one line on stderr for `trainaccel bench <command>` when a run failed (1)
+    or was interrupted (130), once workers and namespaces are gone.
+    """
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     try:
-        return run_interleaved(title, arms, repeats, emulation, run_one, describe), 0
+        with bench_session(emulation) as (tmp, cluster), progress(title, repeats * len(arms)) as report:
+            for repeat in range(repeats):
+                for i, arm in enumerate(arms):
+                    report.start(f"{arm}, repeat {repeat + 1}/{repeats}")
+                    port = 29500 + repeat * len(arms) + i  # a fresh port: no TIME_WAIT from the last run
+                    result = run_one(arm, tmp / f"arm{i}-{repeat}.json", cluster, port, repeat)
+                    runs[arm].append(result)
+                    report.done(describe(result))
     except (RuntimeError, EmulationError) as e:
         print(f"trainaccel bench {command}: error: {e}", file=sys.stderr)
         return None, 1
     except KeyboardInterrupt:
         print(f"trainaccel bench {command}: interrupted; workers stopped and namespaces removed", file=sys.stderr)
         return None, 130
+    return runs, 0
 
 
 def describe_workers(emulation: Emulation | None, nproc_per_node: int) -> str:
