@@ -77,10 +77,13 @@ def _path_or_unset(name: str, raw: Any) -> str | None:
 _path_or_unset.accepted = "a file path (empty: off)"  # type: ignore[attr-defined]
 
 
-def _number(kind: type, low: float, high: float, *, low_open: bool = False) -> Callable[[str, Any], Any]:
-    """Parser for an int or float in [low, high] (or (low, high] with `low_open`)."""
+def _number(
+    kind: type, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> Callable[[str, Any], Any]:
+    """Parser for an int or float in [low, high] (open at either end with `low_open` / `high_open`)."""
 
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high != float("inf") else None
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    interval = None if high == float("inf") else interval
     noun = "an integer" if kind is int else "a number"
     accepted = f"{noun} in {interval}" if interval else f"{noun} {'>' if low_open else '>='} {low:g}"
 
@@ -93,7 +96,9 @@ def _number(kind: type, low: float, high: float, *, low_open: bool = False) -> C
                 raise ValueError  # 2.5 is not an integer
         except (TypeError, ValueError):
             raise ConfigError(name, raw, accepted) from None
-        if not (low < value if low_open else low <= value) or not value <= high or value == float("inf"):
+        below = low < value if low_open else low <= value
+        above = value < high if high_open else value <= high
+        if not below or not above or value == float("inf"):
             raise ConfigError(name, raw, accepted)
         return value
 
@@ -225,6 +230,30 @@ class Config:
         1,
         _number(int, 1, float("inf")),
         "backward passes accumulated locally between gradient exchanges (trainaccel.comm.LocalSteps)",
+    )
+    sync_every: int = _option(
+        0,
+        _number(int, 0, float("inf")),
+        "low-communication training (DiLoCo): the per-step gradient exchange is off, each worker's optimizer "
+        "steps alone, and every N optimizer steps the parameter changes are averaged and applied by an outer "
+        "optimizer (0: off, gradients are exchanged every step)",
+    )
+    outer_optimizer: str = _option(
+        "nesterov",
+        _choice("nesterov", "sgd", "average"),
+        "the update applied at each sync of sync_every: nesterov (SGD with Nesterov momentum on the averaged "
+        "change, as DiLoCo), sgd (heavy-ball momentum), average (the replicas' mean; outer_lr and "
+        "outer_momentum unused)",
+    )
+    outer_lr: float = _option(
+        0.7,
+        _number(float, 0.0, float("inf"), low_open=True),
+        "learning rate of the outer optimizer of sync_every (1 with outer_momentum 0: plain averaging)",
+    )
+    outer_momentum: float = _option(
+        0.9,
+        _number(float, 0.0, 1.0, high_open=True),
+        "momentum of the outer optimizer of sync_every",
     )
     autotune: str = _option(
         "off",
@@ -366,6 +395,18 @@ class Config:
         high, low = config.compression_ratio_max, config.compression_ratio
         if high is not None and high <= low:
             raise ConfigError("compression_ratio_max", high, f"a number above compression_ratio={low:g}, or empty")
+        if config.sync_every:
+            # These act on the per-step gradient exchange, which sync_every switches off: refused, not ignored.
+            per_step = {"compression": "none", "local_steps": 1, "autotune": "off"}
+            for option, off in per_step.items():
+                value = getattr(config, option)
+                if value != off:
+                    raise ConfigError(
+                        option,
+                        value,
+                        f"{off} with sync_every={config.sync_every}, which switches off the per-step gradient "
+                        f"exchange that {option} applies to",
+                    )
         return config
 
     @classmethod

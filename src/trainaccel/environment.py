@@ -46,6 +46,11 @@ def env_rank(env: MutableMapping[str, str] | None = None) -> int:
     return int(env.get("RANK", "0"))
 
 
+def env_world_size(env: MutableMapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get("WORLD_SIZE", "1"))
+
+
 def worker_place(env: MutableMapping[str, str] | None = None) -> tuple[str, int]:
     """(host name, local rank) of this worker: how reports name where a rank runs."""
     env = os.environ if env is None else env

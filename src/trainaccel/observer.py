@@ -52,6 +52,7 @@ class StepObserver:
         "meter": "the StepMeter of metrics_every, or None",
         "stragglers": "the StragglerDetector of straggler_every, or None",
         "local_steps": "the LocalSteps holding this model's reductions back, or None",
+        "diloco": "the DiLoCo of sync_every replacing the model's gradient exchange, or None",
         "_subscribers": "event -> callbacks, called in subscription order",
         "_undo": "what to undo when detached: hook removals, the model's patched forward",
         "_params": "ids of the model's parameters: which optimizers step it",
@@ -62,7 +63,7 @@ class StepObserver:
     def __init__(self, model: torch.nn.Module, compiled: bool):
         self.model = weakref.ref(model)
         self.step, self.optimizer_steps, self.entered = 0, 0, 0.0
-        self.comm = self.amp = self.meter = self.stragglers = self.local_steps = None
+        self.comm = self.amp = self.meter = self.stragglers = self.local_steps = self.diloco = None
         self._subscribers: dict[str, list[Callable[..., Any]]] = {event: [] for event in EVENTS}
         self._params = frozenset(id(p) for p in model.parameters())
         self._backward_due = False

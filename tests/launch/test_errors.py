@@ -64,3 +64,11 @@ def test_invalid_option_exits_before_workers(tmp_path, flags, env, expected):
 def test_run_path_is_refused_clearly(tmp_path):
     proc = run([*trainaccel_cmd(), "run", "--run-path", SCRIPTS / "touch_marker.py", tmp_path / "m"])
     assert proc.returncode == 2 and "--run-path is not supported" in proc.stderr
+
+
+def test_the_scripts_own_flags_are_never_taken_for_abbreviations_of_ours(capsys):
+    from trainaccel.launch.run import main
+
+    # --out is a prefix of --outer-lr and --outer-momentum: with argparse's abbreviations it was refused as ambiguous.
+    assert main(["--standalone", "--nproc-per-node", "2", "--dry-run", "train.py", "--out=/tmp/x", "--outer", "3"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("train.py --out=/tmp/x --outer 3")

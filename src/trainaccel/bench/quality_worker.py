@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel.amp import scaled
 from trainaccel.bench.tasks import get_task, warmup_cosine
 from trainaccel.bench.worker import ARMS, release_process_group, sent_per_step, set_up_arm, start_process_group
-from trainaccel.comm import bytes_sent
+from trainaccel.comm import bytes_sent, sync_replicas
 
 
 def main() -> None:
@@ -57,6 +57,7 @@ def main() -> None:
 
     def stop_clock_and_validate(step: int) -> None:
         nonlocal elapsed
+        sync_replicas(model)  # under sync_every: the replicas are averaged before validation, on the clock
         if device.type == "cuda":
             torch.cuda.synchronize()
         took = torch.tensor(time.perf_counter() - started, device=device)

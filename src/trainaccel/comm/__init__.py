@@ -2,6 +2,7 @@
 
 from trainaccel.comm.checkpoint import load_state_dict, state_dict
 from trainaccel.comm.codecs import CastCompression, Codec, ErrorFeedback, NoCompression, RandomK, TopK, get_codec
+from trainaccel.comm.diloco import DiLoCo, sync_replicas
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.local_steps import LocalSteps
 from trainaccel.comm.patch import build_state, bytes_per_step, bytes_sent, comm_state, patch_ddp, register
@@ -14,6 +15,7 @@ __all__ = [
     "CastCompression",
     "Codec",
     "CommState",
+    "DiLoCo",
     "ErrorFeedback",
     "LocalSteps",
     "NoCompression",
@@ -27,5 +29,6 @@ __all__ = [
     "patch_ddp",
     "register",
     "state_dict",
+    "sync_replicas",
     "trainaccel_comm_hook",
 ]

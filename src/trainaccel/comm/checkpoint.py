@@ -26,6 +26,7 @@ from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split
 from trainaccel.comm.hooks import CommState
 from trainaccel.comm.momentum import restore_moved
 from trainaccel.context import warn_once
+from trainaccel.environment import env_rank, env_world_size
 from trainaccel.observer import StepObserver, observer_of
 
 FORMAT = 1
@@ -40,11 +41,16 @@ def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
     Tensors are the live ones, as in a model's `state_dict()`: save or copy it before training on.
     """
     state = _comm(ddp_model)
-    if state is None:
+    diloco = _diloco(ddp_model)
+    if state is None and diloco is None:
         return dict(_pending.get(_module(ddp_model)) or {})  # loaded, not applied yet: kept as it came
     if getattr(state, "builtin", False):
         return {}
-    header = {"format": FORMAT, "rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    up = dist.is_initialized()  # a script may save after destroy_process_group(): the launcher's numbers then
+    rank, world = (dist.get_rank(), dist.get_world_size()) if up else (env_rank(), env_world_size())
+    header = {"format": FORMAT, "rank": rank, "world_size": world}
+    if diloco is not None:
+        return {**header, "diloco": diloco.state_dict()}
     if isinstance(state, Autotuner):
         saved = {c.label: _comm_state_dict(c.state) for c in state.candidates}
         return {
@@ -61,8 +67,18 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
     if saved.get("format") != FORMAT:
         raise ValueError(f"trainaccel.comm state of format {saved.get('format')!r}; this version reads format {FORMAT}")
     state = _comm(ddp_model)
-    if state is None:
+    diloco = _diloco(ddp_model)
+    if state is None and diloco is None:
         _pending[_module(ddp_model)] = saved
+        return
+    if diloco is not None or "diloco" in saved:
+        if diloco is None or "diloco" not in saved:
+            now, then = ("sync_every", "a per-step exchange")
+            if diloco is None:
+                now, then = then, now
+            warn_once(f"the checkpoint's communication state is for {then}, this run uses {now}: not restored")
+            return
+        diloco.load_state_dict(saved["diloco"])  # the same on every rank: no rank check
         return
     local = _local_part_applies(saved)
     if isinstance(state, Autotuner):
@@ -90,7 +106,7 @@ def attach(observer: StepObserver) -> None:
     model = observer.model()
     if _save not in observer.subscribers("state_dict"):
         observer.subscribe("state_dict", _save)
-    if observer.comm is not None:
+    if observer.comm is not None or observer.diloco is not None:
         saved = _pending.pop(_module(model), None)
         if saved:
             load_state_dict(model, saved)
@@ -125,6 +141,11 @@ def restoring_load_state_dict(original: Any) -> Any:
         return result
 
     return load
+
+
+def _diloco(model: torch.nn.Module) -> Any:
+    observer = observer_of(model)
+    return observer.diloco if observer is not None else None
 
 
 def _module(model: torch.nn.Module) -> torch.nn.Module:

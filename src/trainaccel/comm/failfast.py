@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -28,6 +28,7 @@ HEARTBEAT_S = 2.0
 _PREFIX = "trainaccel/heartbeat/"
 
 _heartbeat: Heartbeat | None = None
+_reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> what to write
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -58,9 +59,9 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
-        self._store.set(
-            f"{_PREFIX}{self.rank}", json.dumps({**self._place, "time": time.time(), "step": self._progress()})
-        )
+        extra = {name: value() for name, value in list(_reports.items())}
+        beat = {**self._place, "time": time.time(), "step": self._progress(), **extra}
+        self._store.set(f"{_PREFIX}{self.rank}", json.dumps(beat))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -86,6 +87,24 @@ def start_heartbeat() -> None:
         _heartbeat = Heartbeat()
     except Exception as e:  # a store without clone or writes: training goes on, failures are not explained
         log.debug("no heartbeat (%s: %s): collective failures will not name the missing peers", type(e).__name__, e)
+
+
+def report(name: str, value: Callable[[], Any]) -> Callable[[], None]:
+    """Write `name: value()` (JSON) in this worker's heartbeats from now on; returns what stops it."""
+    _reports[name] = value
+
+    def stop() -> None:
+        if _reports.get(name) is value:
+            del _reports[name]
+
+    return stop
+
+
+def heartbeats() -> dict[int, dict] | None:
+    """Every worker's latest heartbeat by rank (read now, from the main thread); None without a heartbeat."""
+    if _heartbeat is None:
+        return None
+    return _read_heartbeats(distributed_c10d._get_default_store(), dist.get_world_size())
 
 
 @atexit.register

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.amp.ddp import enable_amp
-from trainaccel.comm import checkpoint, failfast, momentum
+from trainaccel.comm import checkpoint, diloco, failfast, momentum
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exit_guard import guard_exit
@@ -43,6 +43,11 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         config = Config.resolve(**options)
     elif options:
         config = dataclasses.replace(config, **options)
+    if config.sync_every:
+        raise ValueError(
+            f"register() adds a per-step gradient exchange, and sync_every={config.sync_every} switches it off: "
+            "use trainaccel.comm.DiLoCo(model, optimizer, sync_every=...) for low-communication training"
+        )
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     observer = observe(ddp_model, compiled=config.compile == "on")
     failfast.start_heartbeat()
@@ -176,6 +181,9 @@ def comm_state(ddp_model: DistributedDataParallel) -> CommState | None:
 
 def bytes_sent(ddp_model: DistributedDataParallel) -> int:
     """Bytes trainaccel's hook has counted on this model so far (0 when DDP's own allreduce runs)."""
+    observer = observer_of(ddp_model)
+    if observer is not None and observer.diloco is not None:
+        return observer.diloco.bytes_sent
     state = comm_state(ddp_model)
     return 0 if state is None or getattr(state, "builtin", False) else state.bytes_sent
 
@@ -187,6 +195,12 @@ def bytes_per_step(ddp_model: DistributedDataParallel, sent_before: int | None =
     e.g. a benchmark's timed steps (a lossy codec reduces the first step exactly). Plain DDP (no
     hook, or a hook we did not build) reduces every gradient once per step, in its dtype.
     """
+    observer = observer_of(ddp_model)
+    if observer is not None and observer.diloco is not None:  # sync_every: what the syncs sent, per inner step
+        diloco = observer.diloco
+        if sent_before is not None and steps:
+            return (diloco.bytes_sent - sent_before) / steps
+        return diloco.bytes_sent / max(diloco.steps, 1)
     state = comm_state(ddp_model)
     if state is not None and not getattr(state, "builtin", False):
         if sent_before is not None and steps:
@@ -225,6 +239,8 @@ def patch_ddp(config: Config) -> None:
 def accelerate(ddp_model: DistributedDataParallel, config: Config) -> StepObserver:
     """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step."""
     observer = observe(ddp_model, compiled=config.compile == "on")
+    if config.sync_every:
+        diloco.attach(ddp_model, config)  # no gradient exchange: the hook registered at the first step is not needed
     checkpoint.attach(observer)  # before the hook exists: a checkpoint loaded now waits for it
     if config.amp != "off":
         enable_amp(observer, config)
@@ -249,6 +265,13 @@ def _register_at_first_step(ddp_model: DistributedDataParallel, config: Config) 
         from trainaccel.compiler import compile
 
         compile(ddp_model, config.compile_preset)
+    if observer_of(ddp_model).diloco is not None:
+        if config.straggler_every or config.timeline is not None:
+            warn_once(
+                f"straggler_every and timeline time the per-step gradient exchange, which sync_every="
+                f"{config.sync_every} switches off: off for this model"
+            )
+        return
     existing = ddp_model._get_ddp_logging_data().get("comm_hook")
     if existing:
         log.info("keeping the communication hook %s registered by the script", existing)

@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = get_args_parser()
     parser.prog = "trainaccel run"
+    # argparse classifies every argument before it knows where the script's own begin: with abbreviations on,
+    # a script's --out would be taken for --outer-lr (ambiguous prefix) and the launch refused.
+    parser.allow_abbrev = False
     parser.description = (
         "Start a distributed training script with trainaccel's acceleration, unchanged. "
         f"Takes every torchrun flag; trainaccel options may also come from {ENV_PREFIX}<OPTION> env."

@@ -1,0 +1,439 @@
+"""Low-communication training (DiLoCo): workers step alone; every `sync_every` steps an outer optimizer applies
+their averaged parameter change.
+
+Zero-code with `sync_every` (`trainaccel run --sync-every H`): every DDP model built after `init()` stops
+exchanging gradients, and the script's own optimizer becomes the inner one. Explicitly:
+
+    diloco = trainaccel.comm.DiLoCo(model, optimizer, sync_every=50)   # a DDP model or a plain module
+
+Replicas differ between syncs. They are made equal (averaged, on every rank at once) whenever the script looks at
+the model on every rank: `.eval()` or an evaluation forward of the model or its module, `state_dict()` of either,
+`torch.distributed.destroy_process_group()`, or `sync_replicas(model)`. A look on some ranks only cannot average
+(the others have trained on): it sees that rank's own replica, and says so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.nn.parallel import DistributedDataParallel
+
+from trainaccel import context
+from trainaccel.comm import failfast
+from trainaccel.config import Config
+from trainaccel.context import current_config, info_once, warn_once
+from trainaccel.observer import observer_of, watch_optimizer_steps
+
+log = logging.getLogger("trainaccel")
+
+FORMAT = 1
+_KEY = "trainaccel/diloco"
+_POLL_S = 0.05
+# index -> instance, in creation order (the same on every rank); each lives as long as its module (its hooks hold it)
+_live: weakref.WeakValueDictionary[int, DiLoCo] = weakref.WeakValueDictionary()
+_made = 0  # DiLoCo objects made in this process since init: the next one's index
+_real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+class DiLoCo:
+    """Inner optimizer steps on each worker; every `sync_every` of them, the outer step on the averaged change."""
+
+    __slots__ = {
+        "index": "creation order in this process: names this model in the store on every rank",
+        "sync_every": "inner steps between syncs",
+        "outer_optimizer": "nesterov, sgd or average",
+        "group": "the process group replicas are averaged over",
+        "steps": "inner steps so far (skipped GradScaler steps count: every rank counts alike)",
+        "synced_at": "`steps` at the last sync (regular or at a look): nothing to average while equal",
+        "syncs": "regular syncs (outer steps) so far",
+        "bytes_sent": "bytes this rank has put into syncs' allreduces",
+        "_module": "the module whose parameters are trained (a DDP model's module)",
+        "_params": "its trainable parameters, deduplicated",
+        "_buffers": "its floating-point buffers (BatchNorm statistics): averaged at each sync",
+        "_anchors": "float32 parameters after the last regular sync (None until the first inner step)",
+        "_outer": "torch.optim.SGD over the anchors (None for average)",
+        "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizer made with the anchors",
+        "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
+        "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
+        "__weakref__": "held weakly by process-wide tables",
+    }
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_every: int | None = None,
+        outer_optimizer: str | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        process_group: Any = None,
+        config: Config | None = None,
+    ):
+        global _made
+        given = {"sync_every": sync_every, "outer_optimizer": outer_optimizer, "outer_lr": outer_lr}
+        given["outer_momentum"] = outer_momentum
+        config = _config(config, {k: v for k, v in given.items() if v is not None})
+        if config.sync_every < 1:
+            raise ValueError(f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1 for DiLoCo")
+        if not dist.is_initialized():
+            raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
+        self.index, _made = _made, _made + 1
+        self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
+        if isinstance(model, DistributedDataParallel):
+            if model.static_graph:
+                raise ValueError(
+                    "DDP's static_graph=True cannot train under sync_every: its first iteration needs the gradient "
+                    "exchange that sync_every switches off (torch has no no_sync() there); build the model without "
+                    "static_graph, which has nothing to optimise without the exchange"
+                )
+            process_group = process_group or model.process_group
+        self.group = process_group or dist.group.WORLD
+        self.steps = self.synced_at = self.syncs = self.bytes_sent = 0
+        self._module = getattr(model, "module", model) if isinstance(model, DistributedDataParallel) else model
+        self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
+        self._buffers = [b for b in self._module.buffers() if b.is_floating_point()]
+        if not self._params:
+            raise ValueError("DiLoCo: the model has no trainable parameters")
+        self._anchors: list[torch.Tensor] | None = None
+        self._outer: torch.optim.Optimizer | None = None
+        self._outer_settings = (config.outer_lr, config.outer_momentum)
+        self._inner = weakref.ref(optimizer) if optimizer is not None else None
+        self._undo: list[Any] = []
+        if isinstance(model, DistributedDataParallel):
+            self._switch_off_exchange(model)
+        self._watch_looks()
+        _install()
+        _live[self.index] = self
+        info_once(
+            f"sync_every={self.sync_every}: gradients stay on each worker; every {self.sync_every} optimizer steps "
+            f"the replicas' change is averaged ({self.outer_optimizer} outer step)"
+        )
+
+    # -- what the training loop drives -------------------------------------------------------------------------
+
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer`'s steps are this model's inner steps (the first optimizer to step it is adopted)."""
+        inner = self._inner() if self._inner is not None else None
+        if inner is not None:
+            return inner is optimizer
+        ids = {id(p) for p in self._params}
+        if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+            self._inner = weakref.ref(optimizer)
+            return True
+        return False
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._anchors is None and self._holds(optimizer):
+            self._start()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._holds(optimizer):
+            return
+        self.steps += 1
+        if self.steps % self.sync_every == 0:
+            self._sync(outer=True)
+
+    def _start(self) -> None:
+        """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).float() for t in [*self._params, *self._buffers]])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            for tensor, value in zip([*self._params, *self._buffers], flat.split(_sizes(self._params, self._buffers))):
+                tensor.copy_(value.view_as(tensor))
+        self._make_anchors()
+
+    def _make_anchors(self) -> None:
+        self._anchors = [p.detach().float().clone() for p in self._params]
+        if self.outer_optimizer == "average":
+            return
+        lr, momentum = self._outer_settings
+        nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
+        self._outer = torch.optim.SGD(self._anchors, lr=lr, momentum=momentum, nesterov=nesterov)
+
+    def _sync(self, outer: bool) -> None:
+        """One allreduce of every parameter (its change since the anchor for an outer step) and float buffer."""
+        if self._anchors is None:
+            return
+        world = dist.get_world_size(self.group)
+        with torch.no_grad():
+            if outer and self._outer is not None:
+                pieces = [a - p.float() for a, p in zip(self._anchors, self._params)]  # the outer "gradient"
+            else:
+                pieces = [p.float() for p in self._params]
+            flat = torch.cat([t.reshape(-1) for t in [*pieces, *(b.float() for b in self._buffers)]])
+            flat.div_(world)  # summing shares: the same bits on every rank, whatever the order of the sum
+            dist.all_reduce(flat, group=self.group)
+            self.bytes_sent += flat.numel() * flat.element_size()
+            views = flat.split(_sizes(self._params, self._buffers))
+            averaged, buffers = views[: len(self._params)], views[len(self._params) :]
+            if outer and self._outer is not None:
+                for anchor, change in zip(self._anchors, averaged):
+                    anchor.grad = change.view_as(anchor)
+                self._outer.step()
+                for anchor in self._anchors:
+                    anchor.grad = None
+                for p, anchor in zip(self._params, self._anchors):
+                    p.copy_(anchor)
+            else:
+                for p, value in zip(self._params, averaged):
+                    p.copy_(value.view_as(p))
+                if outer:  # average: the mean is the new anchor
+                    for anchor, value in zip(self._anchors, averaged):
+                        anchor.copy_(value.view_as(anchor))
+            for b, value in zip(self._buffers, buffers):
+                b.copy_(value.view_as(b))
+        self.synced_at = self.steps
+        if outer:
+            self.syncs += 1
+
+    # -- looks -------------------------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Average the replicas now (call on every rank); nothing to do right after a sync."""
+        self._look("sync()")
+
+    def _look(self, what: str) -> None:
+        if self._anchors is None or self.steps == self.synced_at or not dist.is_initialized():
+            return  # nothing to average, or no group left to average over (after destroy_process_group())
+        lookers = self._lookers()
+        if lookers is None:
+            self._sync(outer=False)
+            return
+        behind = self.steps - self.synced_at
+        warn_once(
+            f"{what} on rank(s) {', '.join(map(str, lookers))} only, {behind} step{'s' if behind > 1 else ''} after "
+            f"the last sync (sync_every={self.sync_every}): the replicas differ and cannot be averaged without every "
+            "rank, so this rank's own replica is what it sees; look on every rank (evaluate, save) to see the "
+            "averaged model",
+            every_rank=True,
+        )
+
+    def _lookers(self) -> list[int] | None:
+        """None when every rank looks at this step; else the ranks that do (read from the store and heartbeats)."""
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        beats = failfast.heartbeats()
+        if world == 1 or beats is None:
+            return None  # no heartbeats to tell a rank that trained on: every rank must look
+        store = distributed_c10d._get_default_store()
+        key = f"{_KEY}/{self.index}/look/{self.steps}/"
+        store.set(key + str(rank), "1")
+        pending, passed = set(range(world)) - {rank}, set()
+        deadline = time.monotonic() + _timeout_s()
+        while pending:
+            # Heartbeats first: a rank writes its look before stepping on; one that stepped on without it never looks.
+            beats = failfast.heartbeats() or {}
+            for other in sorted(pending):
+                global_rank = dist.get_global_rank(self.group, other)
+                if store.check([key + str(other)]):
+                    pending.discard(other)
+                elif beats.get(global_rank, {}).get("diloco", {}).get(str(self.index), -1) > self.steps:
+                    pending.discard(other)
+                    passed.add(other)
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"trainaccel: rank {rank} waited {_timeout_s():.0f} s for rank(s) {sorted(pending)} to reach "
+                    f"inner step {self.steps} (to average the replicas for a look at the model); they did not"
+                )
+            if pending:
+                time.sleep(_POLL_S)
+        if not passed:
+            return None
+        return sorted(set(range(world)) - passed)
+
+    def _watch_looks(self) -> None:
+        module = self._module
+        look = self._look  # held by the module's hooks: this object lives as long as the module
+
+        def before_forward(module: torch.nn.Module, args: tuple) -> None:
+            if not (module.training and torch.is_grad_enabled()):
+                look("an evaluation forward")
+
+        def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+            look("state_dict()")
+
+        original_train = module.train  # bound: the class's, or an override already there
+
+        @functools.wraps(original_train)
+        def train(mode: bool = True) -> torch.nn.Module:
+            if not mode:
+                look(".eval()")
+            return original_train(mode)
+
+        self._undo += [
+            module.register_forward_pre_hook(before_forward).remove,
+            module.register_state_dict_pre_hook(before_state_dict).remove,
+            functools.partial(_restore_attribute, module, "train", module.__dict__.get("train")),
+        ]
+        module.train = train  # an instance attribute: DDP's train() reaches it through its children too
+
+    def _switch_off_exchange(self, model: DistributedDataParallel) -> None:
+        """No gradient allreduce in backward and no buffer broadcast in forward: the syncs carry both."""
+        before = model.require_backward_grad_sync, model.broadcast_buffers
+
+        def restore() -> None:
+            model.require_backward_grad_sync, model.broadcast_buffers = before
+
+        model.require_backward_grad_sync = False  # what no_sync() sets, for good (no_sync() restores it)
+        model.broadcast_buffers = False
+        self._undo.append(restore)
+
+    def detach(self) -> None:
+        """Stop: hooks removed, DDP's exchange back as it was (`shutdown()`); the state stays readable."""
+        while self._undo:
+            self._undo.pop()()
+        _live.pop(self.index, None)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The anchors, the outer optimizer and the step count: with the model and inner optimizer, an exact resume."""
+        return {
+            "format": FORMAT,
+            "sync_every": self.sync_every,
+            "outer_optimizer": self.outer_optimizer,
+            "steps": self.steps,
+            "synced_at": self.synced_at,
+            "syncs": self.syncs,
+            "anchors": self._anchors,
+            "outer": self._outer.state_dict() if self._outer is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` (before the next inner step)."""
+        if state.get("format") != FORMAT:
+            raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads format {FORMAT}")
+        for name in ("sync_every", "outer_optimizer"):
+            if state[name] != getattr(self, name):
+                raise ValueError(
+                    f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={getattr(self, name)!r}"
+                )
+        self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
+        if state["anchors"] is None:
+            self._anchors = self._outer = None
+            return
+        if len(state["anchors"]) != len(self._params):
+            raise ValueError(
+                f"the checkpoint holds {len(state['anchors'])} anchors, this model has {len(self._params)} parameters"
+            )
+        self._make_anchors()
+        with torch.no_grad():
+            for anchor, saved in zip(self._anchors, state["anchors"]):
+                anchor.copy_(saved)
+        if self._outer is not None and state["outer"] is not None:
+            self._outer.load_state_dict(state["outer"])
+
+
+def sync_replicas(model: torch.nn.Module) -> None:
+    """Average a model's replicas now, on every rank, if it trains under sync_every (else nothing)."""
+    for diloco in list(_live.values()):
+        if diloco._module is getattr(model, "module", model) or diloco._module is model:
+            diloco.sync()
+
+
+def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
+    """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo."""
+    diloco = DiLoCo(model, config=config)
+    observer = observer_of(model)
+    if observer is not None:
+        observer.diloco = diloco
+    return diloco
+
+
+def _config(config: Config | None, given: dict[str, Any]) -> Config:
+    base = config or current_config()
+    if base is None:
+        return Config.resolve(**given)
+    import dataclasses
+
+    return Config.resolve(env={}, **{**dataclasses.asdict(base), **given}) if given else base
+
+
+def _sizes(params: list[torch.Tensor], buffers: list[torch.Tensor]) -> list[int]:
+    return [t.numel() for t in [*params, *buffers]]
+
+
+def _timeout_s() -> float:
+    config = current_config()
+    return config.collective_timeout if config is not None else Config().collective_timeout
+
+
+def _restore_attribute(owner: Any, name: str, value: Any) -> None:
+    if value is None:
+        owner.__dict__.pop(name, None)
+    else:
+        owner.__dict__[name] = value
+
+
+# -- process-wide: optimizer steps, GradScaler's skipped steps, destroy_process_group, heartbeats ----------------
+
+
+def _install() -> None:
+    if not context.first_time("diloco"):
+        return
+    watch_optimizer_steps(before=_before_any_step, after=_after_any_step)
+    from torch.amp.grad_scaler import GradScaler
+
+    context.patch(GradScaler, "step", _counting_skips(GradScaler.step))
+    destroy = distributed_c10d.destroy_process_group
+    looking_destroy = _looking_first(destroy)
+    context.patch(distributed_c10d, "destroy_process_group", looking_destroy)
+    context.patch(dist, "destroy_process_group", looking_destroy)
+    failfast.start_heartbeat()
+    stop_reporting = failfast.report("diloco", lambda: {str(i): d.steps for i, d in list(_live.items())})
+    context.on_undo("diloco", functools.partial(_detach_all, stop_reporting))
+
+
+def _detach_all(stop_reporting: Any) -> None:
+    global _made
+    stop_reporting()
+    for diloco in list(_live.values()):
+        diloco.detach()
+    _real_steps.clear()
+    _made = 0
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer) -> None:
+    for diloco in list(_live.values()):
+        diloco._before_step(optimizer)
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer) -> None:
+    _real_steps[optimizer] = _real_steps.get(optimizer, 0) + 1
+    for diloco in list(_live.values()):
+        diloco._after_step(optimizer)
+
+
+def _counting_skips(original: Any) -> Any:
+    """GradScaler.step that counts a step it skipped (inf/NaN in this rank's gradients) as an inner step."""
+
+    @functools.wraps(original)
+    def step(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        before = _real_steps.get(optimizer, 0)
+        result = original(self, optimizer, *args, **kwargs)
+        if _real_steps.get(optimizer, 0) == before:
+            # Gradients are this rank's own, so ranks skip different steps: counting attempts keeps syncs aligned.
+            for diloco in list(_live.values()):
+                diloco._before_step(optimizer)
+                diloco._after_step(optimizer)
+        return result
+
+    return step
+
+
+def _looking_first(destroy: Any) -> Any:
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is dist.group.WORLD:
+            for _, diloco in sorted(_live.items()):
+                diloco._look("destroy_process_group()")
+        return destroy(group)
+
+    return destroy_process_group

@@ -1,0 +1,225 @@
+"""Low-communication training (sync_every, DiLoCo): exact against DiLoCo by hand, replicas equal at every sync."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainaccel
+from conftest import SCRIPTS, read_ranks, run_nodes, trainaccel_cmd
+from trainaccel.comm import DiLoCo, register, sync_replicas
+from trainaccel.config import Config, ConfigError
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diloco")
+    procs = run_nodes(
+        SCRIPTS / "diloco.py", out, launcher=[*trainaccel_cmd(), "run"], env={"TRAINACCEL_SYNC_EVERY": "3"}
+    )
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    return read_ranks(out, 4), "".join(p.stdout for p in procs)
+
+
+@pytest.mark.multiprocess
+def test_zero_code_equals_diloco_by_hand(ranks):
+    for r in ranks[0]:
+        assert r["exact_err"] <= 1e-6  # inner AdamW on each replica, outer Nesterov on the mean change, a look's mean
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("what", ["hashes", "after_subset_look", "after_skip", "bn/False", "bn/True", "end"])
+def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
+    seen = [r[what] for r in ranks[0]]
+    assert all(s == seen[0] for s in seen), what
+    if what == "hashes":
+        assert [step for step, _ in seen[0]] == [
+            3,
+            5,
+            6,
+            8,
+        ]  # syncs at 3 and 6, looks at 5 (.eval()) and 8 (state_dict)
+
+
+@pytest.mark.multiprocess
+def test_gradients_are_not_exchanged(ranks):
+    assert len({r["grad"] for r in ranks[0]}) == 4
+
+
+@pytest.mark.multiprocess
+def test_a_look_on_one_rank_sees_its_replica_and_says_so_once(ranks):
+    results, out = ranks
+    assert results[0]["subset_is_own_replica"] is True
+    assert out.count("state_dict() on rank(s) 0 only, 1 step after the last sync") == 1
+
+
+@pytest.mark.multiprocess
+def test_batchnorm_statistics_are_averaged(ranks):
+    assert ranks[0][0]["bn_mean/False"] == ranks[0][0]["bn_mean/True"]  # find_unused_parameters changes nothing
+
+
+@pytest.mark.multiprocess
+def test_kill_and_resume_equals_the_uninterrupted_run(ranks):
+    for r in ranks[0]:
+        assert r["resume_err"] == 0.0
+
+
+@pytest.mark.multiprocess
+def test_destroy_process_group_averages_the_last_steps(ranks):
+    for r in ranks[0]:
+        assert r["end_changed"] is True
+
+
+# -- one process ----------------------------------------------------------------------------------------------
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def _by_hand(steps: int, every: int, outer: str, lr: float = 0.7, momentum: float = 0.9) -> list[torch.Tensor]:
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    anchors = [p.detach().clone() for p in model.parameters()]
+    outer_opt = torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=outer == "nesterov")
+    for i in range(1, steps + 1):
+        _step(model, inner, i)
+        if i % every == 0 and outer != "average":
+            with torch.no_grad():
+                for a, p in zip(anchors, model.parameters()):
+                    a.grad = a - p
+                outer_opt.step()
+                for a, p in zip(anchors, model.parameters()):
+                    p.copy_(a)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("outer", ["nesterov", "sgd", "average"])
+def test_explicit_api_on_a_plain_module_equals_the_outer_rule_by_hand(outer):
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=3, outer_optimizer=outer)
+    for i in range(1, 8):
+        _step(model, inner, i)
+    assert diloco.steps == 7 and diloco.syncs == 2
+    for got, want in zip(model.parameters(), _by_hand(7, 3, outer)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_state_dict_resumes_the_exact_trajectory():
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=3)
+    for i in range(1, 5):
+        _step(model, inner, i)
+    saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()})
+    for i in range(5, 10):
+        _step(model, inner, i)
+    model2 = _net()
+    nn.init.zeros_(model2[0].weight)  # a different start: everything must come from the checkpoint
+    inner2 = torch.optim.AdamW(model2.parameters(), lr=0.01)
+    diloco2 = DiLoCo(model2, inner2, sync_every=3)
+    model2.load_state_dict(saved["model"])
+    inner2.load_state_dict(saved["inner"])
+    diloco2.load_state_dict(saved["diloco"])
+    for i in range(5, 10):
+        _step(model2, inner2, i)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="taken with sync_every=3, this run has sync_every=4"):
+        DiLoCo(_net(), None, sync_every=4).load_state_dict(saved["diloco"])
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_skipped_gradscaler_step_counts_as_an_inner_step():
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=2)
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(3):
+        inner.zero_grad()
+        loss = model(torch.randn(3, 4)).sum() * (float("inf") if i == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(inner)
+        scaler.update()
+    assert diloco.steps == 3 and diloco.syncs == 1
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_looks_average_only_when_there_is_something_to_average():
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=10)
+    model.eval()  # before the first step: nothing to do, nothing sent
+    assert diloco.bytes_sent == 0
+    model.train()
+    _step(model, inner, 1)
+    sync_replicas(model)
+    sent = diloco.bytes_sent
+    assert sent == sum(p.numel() for p in model.parameters()) * 4
+    model.eval()
+    model.state_dict()
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert diloco.bytes_sent == sent  # nothing trained since: no second average
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_refusals_are_one_line_naming_the_setting():
+    with pytest.raises(ValueError, match=r"invalid sync_every=0; accepted: an integer >= 1 for DiLoCo"):
+        DiLoCo(_net(), None, sync_every=0)
+    with pytest.raises(ConfigError, match=r"invalid outer_optimizer='adam'"):
+        DiLoCo(_net(), None, sync_every=2, outer_optimizer="adam")
+    with pytest.raises(ValueError, match="static_graph=True cannot train under sync_every"):
+        DiLoCo(DDP(_net(), static_graph=True), None, sync_every=2)
+    with pytest.raises(ValueError, match="register\\(\\) adds a per-step gradient exchange"):
+        register(DDP(_net()), sync_every=2)
+
+
+@pytest.mark.parametrize("option, value", [("compression", "fp16"), ("local_steps", 2), ("autotune", "on")])
+def test_per_step_options_are_refused_with_sync_every(option, value):
+    with pytest.raises(ConfigError, match=f"invalid {option}=.*with sync_every=5, which switches off"):
+        Config.resolve(env={}, sync_every=5, **{option: value})
+
+
+@pytest.mark.parametrize(
+    "option, value, accepted",
+    [
+        ("sync_every", -1, "an integer >= 0"),
+        ("outer_lr", 0, "a number > 0"),
+        ("outer_momentum", 1, r"a number in \[0, 1\)"),
+        ("outer_optimizer", "lamb", "nesterov, sgd, average"),
+    ],
+)
+def test_bad_values_are_refused(option, value, accepted):
+    with pytest.raises(ConfigError, match=f"accepted: {accepted}"):
+        Config.resolve(env={}, **{option: value})
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_shutdown_undoes_everything_it_changed():
+    from torch.amp.grad_scaler import GradScaler
+
+    step, destroy = GradScaler.step, dist.destroy_process_group
+    trainaccel.init(sync_every=2, start_process_group=False)
+    model = DDP(_net())
+    assert model.require_backward_grad_sync is False and model.broadcast_buffers is False
+    assert "train" in vars(model.module) and GradScaler.step is not step and dist.destroy_process_group is not destroy
+    trainaccel.shutdown()
+    assert model.require_backward_grad_sync is True and model.broadcast_buffers is True
+    assert "train" not in vars(model.module) and GradScaler.step is step and dist.destroy_process_group is destroy

@@ -1,0 +1,166 @@
+"""A plain DDP script (no trainaccel import while training) run under `sync_every`, checked against DiLoCo computed
+by hand: every rank replays all replicas in-process (inner AdamW, outer Nesterov SGD on the mean change).
+
+Run with TRAINACCEL_SYNC_EVERY=3 on 2 emulated nodes x 2 workers; each rank writes OUT_DIR/rank{r}.json.
+"""
+
+import copy
+import hashlib
+import io
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+H, LR, OUTER_LR, OUTER_MOMENTUM = 3, 0.01, 0.7, 0.9
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for t in module.state_dict().values():
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tensor:
+    """DiLoCo by hand: `world` replicas, an outer Nesterov step every H steps, a plain average at each look."""
+    start = net(seed)
+    replicas = [copy.deepcopy(start) for _ in range(world)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in replicas]
+    anchor = [p.detach().clone() for p in start.parameters()]
+    outer = torch.optim.SGD(anchor, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    for step in range(1, steps + 1):
+        for r, (m, opt) in enumerate(zip(replicas, inners)):
+            x, y = batch(r, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            if step % H == 0:
+                for i, a in enumerate(anchor):
+                    a.grad = sum((a - list(m.parameters())[i]) / world for m in replicas)
+                outer.step()
+                for m in replicas:
+                    for p, a in zip(m.parameters(), anchor):
+                        p.copy_(a)
+            elif step in looks:
+                for ps in zip(*(m.parameters() for m in replicas)):
+                    mean = sum(p / world for p in ps)
+                    for p in ps:
+                        p.copy_(mean)
+    return flat(replicas[0])
+
+
+def train(model: DDP, optimizer: torch.optim.Optimizer, rank: int, first: int, last: int, look_at=(), hashes=None):
+    for step in range(first, last + 1):
+        x, y = batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if step in look_at:
+            model.module.eval()  # every rank looks: the replicas are averaged
+            model.train()
+        if hashes is not None and (step % H == 0 or step in look_at):
+            hashes.append([step, digest(model.module)])
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict = {"rank": rank}
+
+    # 1. Exact: 8 steps, a look at step 5, an end that is not a sync (destroy or a look syncs it).
+    model = DDP(net(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    hashes: list = []
+    train(model, optimizer, rank, 1, 8, look_at=(5,), hashes=hashes)
+    grad = model.module[0].weight.grad
+    model.module.state_dict()  # a look on every rank at step 8: averaged
+    hashes.append([8, digest(model.module)])
+    expected = reference(world, 8, [5, 8], seed=0)
+    result["exact_err"] = float((flat(model.module) - expected).abs().max())
+    result["hashes"] = hashes
+    result["grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()  # this rank's own: nothing exchanged
+
+    # 2. A look on rank 0 alone (its checkpoint) neither hangs nor averages; the next syncs stay aligned.
+    model = DDP(net(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train(model, optimizer, rank, 1, 4)
+    if rank == 0:
+        saved = model.state_dict()
+        result["subset_is_own_replica"] = bool(torch.equal(saved["module.0.weight"], model.module[0].weight))
+    train(model, optimizer, rank, 5, 6)  # step 6 syncs
+    result["after_subset_look"] = digest(model.module)
+
+    # 3. GradScaler skipping a step on rank 1 only still counts it: syncs stay aligned, nothing hangs.
+    model = DDP(net(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for step in range(1, 7):
+        x, y = batch(rank, step)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss * (float("inf") if (rank == 1 and step == 2) else 1.0)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    result["after_skip"] = digest(model.module)
+
+    # 4. BatchNorm statistics averaged; find_unused_parameters needs nothing more without the per-step exchange.
+    for options in ({"find_unused_parameters": False}, {"find_unused_parameters": True}):
+        torch.manual_seed(3)
+        module = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+        model = DDP(module, **options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        train(model, optimizer, rank, 1, 3)  # step 3 syncs
+        result[f"bn/{options['find_unused_parameters']}"] = digest(model.module)
+        result[f"bn_mean/{options['find_unused_parameters']}"] = model.module[1].running_mean.tolist()
+
+    # 5. Kill and resume: a checkpoint at step 4 (every rank saves: a look) resumed to step 9 equals the run itself.
+    model = DDP(net(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train(model, optimizer, rank, 1, 4)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    train(model, optimizer, rank, 5, 9)
+    uninterrupted = flat(model.module)
+    resumed = DDP(net(5))  # another start: everything comes from the checkpoint
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    train(resumed, resumed_optimizer, rank, 5, 9)
+    result["resume_err"] = float((flat(resumed.module) - uninterrupted).abs().max())
+
+    # 6. The end: steps since the last sync are averaged by destroy_process_group().
+    model = DDP(net(6))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train(model, optimizer, rank, 1, 4)
+    before = flat(model.module)  # (not state_dict(): that is a look, and would average now)
+    dist.destroy_process_group()
+    result["end_changed"] = not torch.equal(flat(model.module), before)
+    result["end"] = digest(model.module)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
