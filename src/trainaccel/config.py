@@ -255,6 +255,12 @@ class Config:
         _number(float, 0.0, 1.0, high_open=True),
         "momentum of the outer optimizer of sync_every",
     )
+    outer_compression: str = _option(
+        "none",
+        _choice("none", "bf16", "fp16", "int8", "fp4"),
+        "codec of the parameter change that sync_every's syncs average, with error feedback where lossy "
+        "(int8 and fp4: per block of 256 values, one float32 scale)",
+    )
     autotune: str = _option(
         "off",
         _choice("off", "on", booleans=("on", "off")),

@@ -179,3 +179,34 @@ def test_adaptive_ratio_moves_by_the_lag_every_few_exchanges(one_process_group):
     assert adaptive.ratio("other") == 0.01  # per bucket
     with pytest.raises(ValueError, match="accepted: 0 < low < high <= 1"):
         AdaptiveRatio(0.1, 0.05)
+
+
+@pytest.mark.parametrize("name, bytes_per_value, worst", [("int8", 1.0, 0.5 / 127), ("fp4", 0.5, 1.0 / 6)])
+@pytest.mark.parametrize("n", [1, 255, 256, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_block_codecs_round_to_the_nearest_code_within_half_a_step(name, bytes_per_value, worst, n, dtype):
+    codec = get_codec(name)
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3).to(dtype)
+    payload, ctx = codec.compress(x)
+    blocks = -(-n // 256)
+    assert payload.dtype == torch.uint8 and payload.numel() == 4 * blocks + int(256 * blocks * bytes_per_value)
+    y = codec.decompress(payload, ctx)
+    assert y.dtype == dtype and y.shape == x.shape
+    # Within half the widest gap between codes, relative to each block's largest magnitude (fp4: 4 -> 6).
+    for start in range(0, n, 256):
+        block = x[start : start + 256].float()
+        err = (block - y[start : start + 256].float()).abs().max()
+        assert err <= worst * block.abs().max() * 1.01 + 1e-3 * float(torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+def test_block_codecs_send_their_codes_exactly_and_flag_non_finite_input(name):
+    codec = get_codec(name)
+    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -6.0]) if name == "fp4" else torch.arange(-127.0, 128.0)
+    x = codes * 0.25  # a block whose largest magnitude is the largest code: every value is a code times the scale
+    payload, ctx = codec.compress(x)
+    assert torch.equal(codec.decompress(payload, ctx), x)
+    zeros = torch.zeros(300)
+    assert torch.equal(codec.decompress(*codec.compress(zeros)), zeros)
+    x[3] = float("nan")
+    assert not bool(codec.values(codec.compress(x)[0]).isfinite().all())

@@ -14,12 +14,11 @@ from trainaccel.comm import DiLoCo, register, sync_replicas
 from trainaccel.config import Config, ConfigError
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=["none", "fp4"])
+def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("diloco")
-    procs = run_nodes(
-        SCRIPTS / "diloco.py", out, launcher=[*trainaccel_cmd(), "run"], env={"TRAINACCEL_SYNC_EVERY": "3"}
-    )
+    env = {"TRAINACCEL_SYNC_EVERY": "3", "TRAINACCEL_OUTER_COMPRESSION": request.param}
+    procs = run_nodes(SCRIPTS / "diloco.py", out, launcher=[*trainaccel_cmd(), "run"], env=env)
     for proc in procs:
         assert proc.returncode == 0, proc.stdout[-4000:]
     return read_ranks(out, 4), "".join(p.stdout for p in procs)
@@ -27,8 +26,11 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_zero_code_equals_diloco_by_hand(ranks):
+    exact = "outer_compression=none" in ranks[1]
     for r in ranks[0]:
-        assert r["exact_err"] <= 1e-6  # inner AdamW on each replica, outer Nesterov on the mean change, a look's mean
+        # Inner AdamW on each replica, outer Nesterov on the mean change, a look's mean; fp4 (error feedback) close.
+        assert r["exact_err"] <= (1e-6 if exact else 0.1 * r["moved"]), r
+        assert r["exact_err"] > 0 or exact  # (fp4 does round: the check above sees something)
 
 
 @pytest.mark.multiprocess

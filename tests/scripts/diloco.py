@@ -97,6 +97,7 @@ def main() -> None:
     hashes.append([8, digest(model.module)])
     expected = reference(world, 8, [5, 8], seed=0)
     result["exact_err"] = float((flat(model.module) - expected).abs().max())
+    result["moved"] = float((expected - flat(net(0))).abs().max())  # how far training took the parameters
     result["hashes"] = hashes
     result["grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()  # this rank's own: nothing exchanged
 

@@ -205,7 +205,63 @@ class RandomK:
         out.index_add_(0, ctx[1], payload[:-1])
 
 
-CODECS = ("none", "fp16", "bf16", "topk", "randomk")
+class BlockQuantized:
+    """Send each block of `BLOCK` elements as 8-bit integers (int8) or 4-bit floats (fp4, E2M1), times the block's
+    float32 scale (its largest magnitude over the largest code); decoded payloads are gathered and summed.
+
+    The payload is one uint8 tensor: the scales' bytes, then the codes (two per byte for fp4). Rounding is to the
+    nearest code, so error feedback carries what it drops.
+    """
+
+    summable, lossy = False, True
+    BLOCK = 256
+    FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
+
+    def __init__(self, name: str):
+        if name not in ("int8", "fp4"):
+            raise ValueError(f"invalid block codec {name!r}; accepted: int8, fp4")
+        self.name = name
+        self.top = 127.0 if name == "int8" else 6.0
+
+    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
+        n = tensor.numel()
+        blocks = -(-n // self.BLOCK)
+        x = torch.nn.functional.pad(tensor.float(), (0, blocks * self.BLOCK - n)).view(blocks, self.BLOCK)
+        scales = x.abs().amax(dim=1) / self.top
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: codes 0
+        x = x / safe[:, None]
+        if self.name == "int8":
+            codes = x.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
+        else:
+            midpoints = (self.FP4[1:] + self.FP4[:-1]) / 2
+            magnitude = torch.bucketize(x.abs().clamp_(max=6.0), midpoints).to(torch.uint8)
+            code = magnitude | ((x < 0).to(torch.uint8) << 3)
+            codes = (code[:, 0::2] | (code[:, 1::2] << 4)).reshape(-1)
+        payload = torch.cat([scales.view(torch.uint8), codes])
+        return payload, (n, tensor.dtype, blocks)
+
+    def values(self, payload: torch.Tensor) -> torch.Tensor:
+        """The scales (the finiteness check: a non-finite input makes its block's scale non-finite)."""
+        blocks = self._blocks(payload)
+        return payload[: 4 * blocks].view(torch.float32)
+
+    def _blocks(self, payload: torch.Tensor) -> int:
+        per_block = 4 + (self.BLOCK if self.name == "int8" else self.BLOCK // 2)
+        return payload.numel() // per_block
+
+    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
+        n, dtype, blocks = ctx
+        scales = payload[: 4 * blocks].view(torch.float32)
+        codes = payload[4 * blocks :].view(blocks, -1)
+        if self.name == "int8":
+            x = codes.view(torch.int8).float()
+        else:
+            both = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(blocks, self.BLOCK).long()
+            x = self.FP4[both & 0x07] * (1.0 - 2.0 * (both >> 3).float())
+        return (x * scales[:, None]).reshape(-1)[:n].to(dtype)
+
+
+CODECS = ("none", "fp16", "bf16", "topk", "randomk", "int8", "fp4")
 
 
 def get_codec(
@@ -226,6 +282,8 @@ def get_codec(
         return TopK(ratio, seed, adaptive)
     if name == "randomk":
         return RandomK(ratio, seed, adaptive)
+    if name in ("int8", "fp4"):
+        return BlockQuantized(name)
     raise ValueError(f"invalid compression={name!r}; accepted: {', '.join(CODECS)}")
 
 

@@ -27,6 +27,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.comm import failfast
+from trainaccel.comm.codecs import ErrorFeedback, get_codec
+from trainaccel.comm.exchange import start_exchange
+from trainaccel.comm.hierarchical import HierarchicalReduce
+from trainaccel.comm.scheduler import comm_thread, engine_group
+from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, warn_once
 from trainaccel.observer import observer_of, watch_optimizer_steps
@@ -58,6 +63,10 @@ class DiLoCo:
         "_params": "its trainable parameters, deduplicated",
         "_buffers": "its floating-point buffers (BatchNorm statistics): averaged at each sync",
         "_anchors": "float32 parameters after the last regular sync (None until the first inner step)",
+        "_codec": "the outer_compression codec of the parameter change",
+        "_feedback": "its error feedback (lossy codecs), or None",
+        "_hierarchy": "the HierarchicalReduce the change goes through (multi-node, hierarchical), or None",
+        "_engine_group": "the engine's own copy of `group` for the flat exchange",
         "_outer": "torch.optim.SGD over the anchors (None for average)",
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizer made with the anchors",
         "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
@@ -106,6 +115,10 @@ class DiLoCo:
         self._outer: torch.optim.Optimizer | None = None
         self._outer_settings = (config.outer_lr, config.outer_momentum)
         self._inner = weakref.ref(optimizer) if optimizer is not None else None
+        self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
+        self._feedback = ErrorFeedback() if self._codec.lossy else None
+        self._engine_group = engine_group(self.group)
+        self._hierarchy = self._build_hierarchy(config)
         self._undo: list[Any] = []
         if isinstance(model, DistributedDataParallel):
             self._switch_off_exchange(model)
@@ -158,38 +171,64 @@ class DiLoCo:
         nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
         self._outer = torch.optim.SGD(self._anchors, lr=lr, momentum=momentum, nesterov=nesterov)
 
+    def _build_hierarchy(self, config: Config) -> HierarchicalReduce | None:
+        """Full precision inside a node, the codec across nodes: as the per-step exchange's hierarchy decides."""
+        wanted = config.hierarchical == "on" or (
+            config.hierarchical == "auto" and dist.get_backend(self._engine_group) == "gloo"
+        )
+        if not wanted:
+            return None
+        topology = discover(self.group)
+        why_flat = topology.why_flat()
+        if why_flat is not None:
+            if config.hierarchical == "on" or not topology.uniform:
+                warn_once(f"hierarchical={config.hierarchical}: syncs reduce flat over all workers ({why_flat})")
+            return None
+        return HierarchicalReduce(topology, self._codec, self._feedback)
+
+    def _average_change(self) -> torch.Tensor:
+        """The mean over workers of (anchor - parameters), flat float32, through the codec (and the hierarchy)."""
+        world = dist.get_world_size(self.group)
+        change = torch.cat([(a - p.detach().float()).reshape(-1) for a, p in zip(self._anchors, self._params)])
+        change.div_(world)  # summing shares: fp16/bf16 sums stay in range, every rank gets the same bits
+        if self._hierarchy is not None:
+            before = self._hierarchy.bytes_sent
+            hierarchy = self._hierarchy
+            mean = comm_thread().submit(lambda: hierarchy.reduce(change, "diloco")[0]).wait()
+            self.bytes_sent += hierarchy.bytes_sent - before
+            return mean
+        outcome = start_exchange(self._codec, self._feedback, change, "diloco", self._engine_group).finish()
+        self.bytes_sent += outcome.sent
+        return outcome.result.float()
+
     def _sync(self, outer: bool) -> None:
-        """One allreduce of every parameter (its change since the anchor for an outer step) and float buffer."""
+        """Average the parameter change over the workers; an outer step (`outer`) or the replicas' mean (a look)."""
         if self._anchors is None:
             return
-        world = dist.get_world_size(self.group)
         with torch.no_grad():
+            mean = self._average_change().split([a.numel() for a in self._anchors])
             if outer and self._outer is not None:
-                pieces = [a - p.float() for a, p in zip(self._anchors, self._params)]  # the outer "gradient"
-            else:
-                pieces = [p.float() for p in self._params]
-            flat = torch.cat([t.reshape(-1) for t in [*pieces, *(b.float() for b in self._buffers)]])
-            flat.div_(world)  # summing shares: the same bits on every rank, whatever the order of the sum
-            dist.all_reduce(flat, group=self.group)
-            self.bytes_sent += flat.numel() * flat.element_size()
-            views = flat.split(_sizes(self._params, self._buffers))
-            averaged, buffers = views[: len(self._params)], views[len(self._params) :]
-            if outer and self._outer is not None:
-                for anchor, change in zip(self._anchors, averaged):
-                    anchor.grad = change.view_as(anchor)
+                for anchor, change in zip(self._anchors, mean):
+                    anchor.grad = change.view_as(anchor)  # the outer "gradient"
                 self._outer.step()
                 for anchor in self._anchors:
                     anchor.grad = None
-                for p, anchor in zip(self._params, self._anchors):
-                    p.copy_(anchor)
-            else:
-                for p, value in zip(self._params, averaged):
-                    p.copy_(value.view_as(p))
-                if outer:  # average: the mean is the new anchor
-                    for anchor, value in zip(self._anchors, averaged):
-                        anchor.copy_(value.view_as(anchor))
-            for b, value in zip(self._buffers, buffers):
-                b.copy_(value.view_as(b))
+                targets = self._anchors
+            elif outer:  # average: the mean of the replicas is the new anchor
+                for anchor, change in zip(self._anchors, mean):
+                    anchor.sub_(change.view_as(anchor))
+                targets = self._anchors
+            else:  # a look: the replicas' mean, the anchor (and the outer optimizer) untouched
+                targets = [a - change.view_as(a) for a, change in zip(self._anchors, mean)]
+            for p, value in zip(self._params, targets):
+                p.copy_(value)
+            if self._buffers:
+                world = dist.get_world_size(self.group)
+                flat = torch.cat([b.float().reshape(-1) for b in self._buffers]).div_(world)
+                dist.all_reduce(flat, group=self._engine_group)
+                self.bytes_sent += flat.numel() * flat.element_size()
+                for b, value in zip(self._buffers, flat.split([b.numel() for b in self._buffers])):
+                    b.copy_(value.view_as(b))
         self.synced_at = self.steps
         if outer:
             self.syncs += 1
@@ -304,17 +343,21 @@ class DiLoCo:
             "syncs": self.syncs,
             "anchors": self._anchors,
             "outer": self._outer.state_dict() if self._outer is not None else None,
+            "outer_compression": self._codec.name,
+            # What a lossy codec has not sent yet, and fp16's dynamic scales: part of the trajectory.
+            "residuals": dict(self._feedback.residuals) if self._feedback is not None else {},
+            "scales": dict(getattr(self._codec, "scales", None) or {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()` (before the next inner step)."""
         if state.get("format") != FORMAT:
             raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads format {FORMAT}")
-        for name in ("sync_every", "outer_optimizer"):
-            if state[name] != getattr(self, name):
-                raise ValueError(
-                    f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={getattr(self, name)!r}"
-                )
+        mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer}
+        mine["outer_compression"] = self._codec.name
+        for name, value in mine.items():
+            if state[name] != value:
+                raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
         if state["anchors"] is None:
             self._anchors = self._outer = None
@@ -329,6 +372,10 @@ class DiLoCo:
                 anchor.copy_(saved)
         if self._outer is not None and state["outer"] is not None:
             self._outer.load_state_dict(state["outer"])
+        if self._feedback is not None:
+            self._feedback.residuals = {key: value.clone() for key, value in state["residuals"].items()}
+        if getattr(self._codec, "scales", None) is not None:
+            self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
 
 
 def sync_replicas(model: torch.nn.Module) -> None:
