@@ -18,6 +18,7 @@ from trainaccel.config import Config, ConfigError
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("diloco")
     env = {"TRAINACCEL_SYNC_EVERY": "3", "TRAINACCEL_OUTER_COMPRESSION": request.param}
+    env["TRAINACCEL_OUTER_OPTIMIZER"] = "nesterov"  # the outer rule with state: momentum across syncs and resumes
     procs = run_nodes(SCRIPTS / "diloco.py", out, launcher=[*trainaccel_cmd(), "run"], env=env)
     for proc in procs:
         assert proc.returncode == 0, proc.stdout[-4000:]
@@ -34,7 +35,7 @@ def test_zero_code_equals_diloco_by_hand(ranks):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("what", ["hashes", "after_subset_look", "after_skip", "bn/False", "bn/True", "end"])
+@pytest.mark.parametrize("what", ["hashes", "after_subset_look", "after_skip", "bn/False", "bn/True", "end", "auto"])
 def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
     seen = [r[what] for r in ranks[0]]
     assert all(s == seen[0] for s in seen), what
@@ -183,7 +184,7 @@ def test_looks_average_only_when_there_is_something_to_average():
 
 @pytest.mark.usefixtures("one_process_group")
 def test_refusals_are_one_line_naming_the_setting():
-    with pytest.raises(ValueError, match=r"invalid sync_every=0; accepted: an integer >= 1 for DiLoCo"):
+    with pytest.raises(ValueError, match=r"invalid sync_every=0; accepted: an integer >= 1, or auto, for DiLoCo"):
         DiLoCo(_net(), None, sync_every=0)
     with pytest.raises(ConfigError, match=r"invalid outer_optimizer='adam'"):
         DiLoCo(_net(), None, sync_every=2, outer_optimizer="adam")
@@ -202,10 +203,10 @@ def test_per_step_options_are_refused_with_sync_every(option, value):
 @pytest.mark.parametrize(
     "option, value, accepted",
     [
-        ("sync_every", -1, "an integer >= 0"),
+        ("sync_every", -1, "an integer >= 0, or auto"),
         ("outer_lr", 0, "a number > 0"),
         ("outer_momentum", 1, r"a number in \[0, 1\)"),
-        ("outer_optimizer", "lamb", "nesterov, sgd, average"),
+        ("outer_optimizer", "lamb", "average, nesterov, sgd"),
     ],
 )
 def test_bad_values_are_refused(option, value, accepted):
@@ -225,3 +226,21 @@ def test_shutdown_undoes_everything_it_changed():
     trainaccel.shutdown()
     assert model.require_backward_grad_sync is True and model.broadcast_buffers is True
     assert "train" not in vars(model.module) and GradScaler.step is step and dist.destroy_process_group is destroy
+
+
+@pytest.mark.parametrize(
+    "sync_s, step_s, expected",
+    [
+        (0.1, 0.1, 9),  # 0.1 / (9 * 0.1 + 0.1) = 10%
+        (0.1, 1.0, 1),  # a sync ten times shorter than a step: every step
+        (1.0, 0.01, 500),  # capped
+        (0.0, 0.1, 1),
+        (0.5, 0.0, 500),  # no step time measured: the cap
+    ],
+)
+def test_auto_interval_keeps_syncs_to_a_tenth_of_the_time(sync_s, step_s, expected):
+    from trainaccel.comm.diloco import interval_for
+
+    assert interval_for(sync_s, step_s) == expected
+    if 1 < expected < 500:
+        assert sync_s / (expected * step_s + sync_s) <= 0.1 < sync_s / ((expected - 1) * step_s + sync_s)

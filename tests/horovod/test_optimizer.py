@@ -143,3 +143,8 @@ assert m.w.grad is None
 """
     proc = run([sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_sync_every_trains_diloco_with_no_gradient_exchange(tmp_path):
+    ranks = run_checks("horovod_sync_every.py", tmp_path, 2)
+    assert ranks[0]["grad"] != ranks[1]["grad"]

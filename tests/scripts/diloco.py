@@ -151,6 +151,19 @@ def main() -> None:
     train(resumed, resumed_optimizer, rank, 5, 9)
     result["resume_err"] = float((flat(resumed.module) - uninterrupted).abs().max())
 
+    # 7. sync_every=auto (explicit, on a plain module): every rank picks the same interval from the slowest figures.
+    from trainaccel.comm import DiLoCo
+
+    module = net(7)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    auto = DiLoCo(module, optimizer, sync_every="auto")
+    for step in range(1, 13):
+        x, y = batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(module(x), y).backward()
+        optimizer.step()
+    result["auto"] = [auto.interval, auto.syncs, auto.next_sync]
+
     # 6. The end: steps since the last sync are averaged by destroy_process_group().
     model = DDP(net(6))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

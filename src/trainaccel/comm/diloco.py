@@ -4,7 +4,7 @@ their averaged parameter change.
 Zero-code with `sync_every` (`trainaccel run --sync-every H`): every DDP model built after `init()` stops
 exchanging gradients, and the script's own optimizer becomes the inner one. Explicitly:
 
-    diloco = trainaccel.comm.DiLoCo(model, optimizer, sync_every=50)   # a DDP model or a plain module
+    diloco = trainaccel.comm.DiLoCo(model, optimizer, sync_every=50)   # a DDP model, a module or parameters
 
 Replicas differ between syncs. They are made equal (averaged, on every rank at once) whenever the script looks at
 the model on every rank: `.eval()` or an evaluation forward of the model or its module, `state_dict()` of either,
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -41,6 +43,9 @@ log = logging.getLogger("trainaccel")
 FORMAT = 1
 _KEY = "trainaccel/diloco"
 _POLL_S = 0.05
+# sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
+# (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
+AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
 # index -> instance, in creation order (the same on every rank); each lives as long as its module (its hooks hold it)
 _live: weakref.WeakValueDictionary[int, DiLoCo] = weakref.WeakValueDictionary()
 _made = 0  # DiLoCo objects made in this process since init: the next one's index
@@ -52,14 +57,16 @@ class DiLoCo:
 
     __slots__ = {
         "index": "creation order in this process: names this model in the store on every rank",
-        "sync_every": "inner steps between syncs",
+        "sync_every": "inner steps between syncs as configured: an integer, or auto",
+        "interval": "inner steps between syncs now (auto: chosen from the measured sync and step times)",
+        "next_sync": "`steps` at which the next regular sync happens",
         "outer_optimizer": "nesterov, sgd or average",
         "group": "the process group replicas are averaged over",
         "steps": "inner steps so far (skipped GradScaler steps count: every rank counts alike)",
         "synced_at": "`steps` at the last sync (regular or at a look): nothing to average while equal",
         "syncs": "regular syncs (outer steps) so far",
         "bytes_sent": "bytes this rank has put into syncs' allreduces",
-        "_module": "the module whose parameters are trained (a DDP model's module)",
+        "_module": "the module whose parameters are trained (a DDP model's module); None when given parameters",
         "_params": "its trainable parameters, deduplicated",
         "_buffers": "its floating-point buffers (BatchNorm statistics): averaged at each sync",
         "_anchors": "float32 parameters after the last regular sync (None until the first inner step)",
@@ -67,6 +74,7 @@ class DiLoCo:
         "_feedback": "its error feedback (lossy codecs), or None",
         "_hierarchy": "the HierarchicalReduce the change goes through (multi-node, hierarchical), or None",
         "_engine_group": "the engine's own copy of `group` for the flat exchange",
+        "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), last sync's seconds]",
         "_outer": "torch.optim.SGD over the anchors (None for average)",
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizer made with the anchors",
         "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
@@ -76,10 +84,10 @@ class DiLoCo:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Iterable[torch.Tensor],
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        sync_every: int | None = None,
+        sync_every: int | str | None = None,
         outer_optimizer: str | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -90,12 +98,17 @@ class DiLoCo:
         given = {"sync_every": sync_every, "outer_optimizer": outer_optimizer, "outer_lr": outer_lr}
         given["outer_momentum"] = outer_momentum
         config = _config(config, {k: v for k, v in given.items() if v is not None})
-        if config.sync_every < 1:
-            raise ValueError(f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1 for DiLoCo")
+        if config.sync_every != "auto" and config.sync_every < 1:
+            raise ValueError(
+                f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1, or auto, for DiLoCo"
+            )
         if not dist.is_initialized():
             raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
         self.index, _made = _made, _made + 1
         self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
+        self.interval = AUTO_FIRST if self.sync_every == "auto" else self.sync_every
+        self.next_sync = self.interval
+        self._timing: list[Any] = [None, [], 0.0]
         if isinstance(model, DistributedDataParallel):
             if model.static_graph:
                 raise ValueError(
@@ -106,9 +119,13 @@ class DiLoCo:
             process_group = process_group or model.process_group
         self.group = process_group or dist.group.WORLD
         self.steps = self.synced_at = self.syncs = self.bytes_sent = 0
-        self._module = getattr(model, "module", model) if isinstance(model, DistributedDataParallel) else model
-        self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
-        self._buffers = [b for b in self._module.buffers() if b.is_floating_point()]
+        if isinstance(model, torch.nn.Module):
+            self._module = model.module if isinstance(model, DistributedDataParallel) else model
+            self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
+            self._buffers = [b for b in self._module.buffers() if b.is_floating_point()]
+        else:  # parameters (the Horovod API's optimizer): no module to watch for looks, no buffers
+            self._module, self._buffers = None, []
+            self._params = [p for p in dict.fromkeys(model) if p.requires_grad]
         if not self._params:
             raise ValueError("DiLoCo: the model has no trainable parameters")
         self._anchors: list[torch.Tensor] | None = None
@@ -122,11 +139,19 @@ class DiLoCo:
         self._undo: list[Any] = []
         if isinstance(model, DistributedDataParallel):
             self._switch_off_exchange(model)
-        self._watch_looks()
+        if self._module is not None:
+            self._watch_looks()
         _install()
         _live[self.index] = self
+        warn_once(
+            f"sync_every={self.sync_every} changes what is trained, not only how fast: each worker steps on its own "
+            "gradients between syncs. Measured on a short run (300 steps, 4 workers, AdamW: docs/BENCHMARKS.md) it "
+            "ended 2% above plain DDP's validation loss syncing every 2 steps and 8% every 10; measure it on "
+            "your task (trainaccel bench quality) before relying on it"
+        )
         info_once(
-            f"sync_every={self.sync_every}: gradients stay on each worker; every {self.sync_every} optimizer steps "
+            f"sync_every={self.sync_every}: gradients stay on each worker; every "
+            f"{'few (chosen from measured times)' if self.sync_every == 'auto' else self.sync_every} optimizer steps "
             f"the replicas' change is averaged ({self.outer_optimizer} outer step)"
         )
 
@@ -151,8 +176,35 @@ class DiLoCo:
         if not self._holds(optimizer):
             return
         self.steps += 1
-        if self.steps % self.sync_every == 0:
+        now = time.perf_counter()
+        last, recent, _ = self._timing
+        if last is not None:
+            recent.append(now - last)
+            del recent[:-AUTO_WINDOW]
+        if self.steps >= self.next_sync:
             self._sync(outer=True)
+            took = time.perf_counter() - now
+            self._timing[2] = took
+            if self.sync_every == "auto":
+                self._choose_interval()
+            self.next_sync = self.steps + self.interval
+            now += took  # the next step's time leaves this sync out
+        self._timing[0] = now
+
+    def _choose_interval(self) -> None:
+        """auto: the smallest interval whose syncs take at most AUTO_SHARE of the time (slowest rank's figures)."""
+        _, recent, took = self._timing
+        step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
+        measured = torch.tensor([took, step_s], dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._engine_group)  # every rank decides alike
+        took, step_s = measured.tolist()
+        chosen = interval_for(took, step_s)
+        if chosen != self.interval:
+            self.interval = chosen
+            info_once(
+                f"sync_every=auto: a sync every {chosen} steps (a sync takes {took:.3f} s, a step {step_s:.3f} s: "
+                f"{100 * took / max(chosen * step_s + took, 1e-9):.0f}% of the time in syncs)"
+            )
 
     def _start(self) -> None:
         """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
@@ -339,6 +391,8 @@ class DiLoCo:
             "sync_every": self.sync_every,
             "outer_optimizer": self.outer_optimizer,
             "steps": self.steps,
+            "interval": self.interval,
+            "next_sync": self.next_sync,
             "synced_at": self.synced_at,
             "syncs": self.syncs,
             "anchors": self._anchors,
@@ -359,6 +413,7 @@ class DiLoCo:
             if state[name] != value:
                 raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
+        self.interval, self.next_sync = state["interval"], state["next_sync"]
         if state["anchors"] is None:
             self._anchors = self._outer = None
             return
@@ -378,10 +433,19 @@ class DiLoCo:
             self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
 
 
+def interval_for(sync_s: float, step_s: float, share: float | None = None) -> int:
+    """The smallest number of inner steps between syncs for which syncs take at most `share` of the time."""
+    share = AUTO_SHARE if share is None else share
+    if step_s <= 0:
+        return AUTO_MAX
+    needed = sync_s * (1 - share) / (share * step_s)  # sync / (interval * step + sync) <= share
+    return int(min(AUTO_MAX, max(1, math.ceil(needed - 1e-9))))
+
+
 def sync_replicas(model: torch.nn.Module) -> None:
     """Average a model's replicas now, on every rank, if it trains under sync_every (else nothing)."""
     for diloco in list(_live.values()):
-        if diloco._module is getattr(model, "module", model) or diloco._module is model:
+        if diloco._module is not None and diloco._module in (model, getattr(model, "module", model)):
             diloco.sync()
 
 

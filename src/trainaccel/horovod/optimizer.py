@@ -98,6 +98,7 @@ class _DistributedOptimizer:
         groups: list[list[torch.Tensor]] | None,
         sparse_as_dense: bool,
         process_set: ProcessSet | None,
+        sync_every: int | None = None,
     ) -> None:
         check_initialized()
         self._process_set = resolve(process_set) if process_set is None or process_set.included() else None
@@ -128,10 +129,20 @@ class _DistributedOptimizer:
         self._next_bucket = 0
         self._synchronized = False
         self._skip_synchronize = False
-        # A worker outside the optimizer's process set trains on its own gradients.
-        self._hooks = (
-            [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params] if self._process_set else []
-        )
+        self._diloco = None
+        if sync_every is not None and self._process_set is not None:
+            if compression is not Compression.none or backward_passes_per_step != 1:
+                raise ValueError(
+                    "sync_every replaces the per-step gradient exchange that compression and backward_passes_per_step "
+                    "act on: leave them at their defaults (outer_compression compresses the syncs)"
+                )
+            from trainaccel.comm.diloco import DiLoCo
+
+            # Low-communication training: no gradient exchange; this optimizer's steps are DiLoCo's inner steps.
+            self._diloco = DiLoCo(params, self, sync_every=sync_every, process_group=self._process_set.group)
+        # A worker outside the optimizer's process set trains on its own gradients, as does one under sync_every.
+        exchanging = self._process_set is not None and self._diloco is None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params] if exchanging else []
 
     @staticmethod
     def _names(
@@ -229,7 +240,7 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting buckets still waiting) and write them to `.grad`."""
-        if self._synchronized or self._process_set is None:
+        if self._synchronized or self._process_set is None or self._diloco is not None:
             return
         while self._next_bucket < len(self._buckets):
             self._launch(self._next_bucket)
@@ -274,6 +285,11 @@ class _DistributedOptimizer:
         finally:
             self._skip_synchronize = False
 
+    @property
+    def diloco(self) -> Any:
+        """The `DiLoCo` of `sync_every`, or None."""
+        return self._diloco
+
     def step(self, closure: Any = None) -> Any:
         if not self._skip_synchronize:
             if self._synchronized and self._process_set is not None:
@@ -307,8 +323,14 @@ def DistributedOptimizer(
     groups: list[list[torch.Tensor]] | None = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet | None = None,
+    sync_every: int | None = None,
 ) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so that `step()` applies gradients averaged over all workers (Horovod's API)."""
+    """Wrap `optimizer` so that `step()` applies gradients averaged over all workers (Horovod's API).
+
+    With `sync_every=H` (trainaccel's): no gradient exchange; every H steps the parameters' change is averaged and
+    applied by the outer optimizer (`trainaccel.comm.DiLoCo`, as `optimizer.diloco`; call `optimizer.diloco.sync()`
+    on every rank to average before evaluating or saving).
+    """
     methods = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     wrapped = cls.__new__(cls)
@@ -323,5 +345,6 @@ def DistributedOptimizer(
         groups,
         sparse_as_dense,
         process_set,
+        sync_every,
     )
     return wrapped
