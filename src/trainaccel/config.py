@@ -251,6 +251,12 @@ class Config:
         "optimizer (0: off, gradients are exchanged every step; auto: the smallest N whose syncs take at most "
         "a tenth of the time, measured)",
     )
+    sync_warmup: int = _option(
+        0,
+        _number(int, 0, float("inf")),
+        "first optimizer steps under sync_every that still exchange gradients every step (as plain DDP); the "
+        "local steps and syncs begin after them",
+    )
     outer_optimizer: str = _option(
         "average",
         _choice("average", "nesterov", "sgd"),

@@ -244,3 +244,23 @@ def test_auto_interval_keeps_syncs_to_a_tenth_of_the_time(sync_s, step_s, expect
     assert interval_for(sync_s, step_s) == expected
     if 1 < expected < 500:
         assert sync_s / (expected * step_s + sync_s) <= 0.1 < sync_s / ((expected - 1) * step_s + sync_s)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_sync_warmup_keeps_ddps_exchange_for_its_steps_then_steps_alone():
+    model = DDP(_net())
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=2, sync_warmup=3)
+    exchanging = []
+    for i in range(1, 8):
+        exchanging.append(model.require_backward_grad_sync)
+        _step(model, inner, i)
+    assert exchanging == [True, True, True, False, False, False, False]
+    assert diloco.syncs == 2 and diloco.next_sync == 9  # syncs after steps 5 and 7: the warm-up's 3, then every 2
+    with pytest.raises(ValueError, match="sync_warmup=2 needs a DDP model"):
+        DiLoCo(_net(), None, sync_every=2, sync_warmup=2)
+    resumed = DDP(_net())
+    DiLoCo(resumed, torch.optim.AdamW(resumed.parameters()), sync_every=2, sync_warmup=3).load_state_dict(
+        diloco.state_dict()
+    )
+    assert resumed.require_backward_grad_sync is False  # resumed past the warm-up: local steps at once

@@ -60,6 +60,7 @@ class DiLoCo:
         "sync_every": "inner steps between syncs as configured: an integer, or auto",
         "interval": "inner steps between syncs now (auto: chosen from the measured sync and step times)",
         "next_sync": "`steps` at which the next regular sync happens",
+        "warmup": "first inner steps with DDP's own gradient exchange still on (sync_warmup): local steps begin after",
         "outer_optimizer": "nesterov, sgd or average",
         "group": "the process group replicas are averaged over",
         "steps": "inner steps so far (skipped GradScaler steps count: every rank counts alike)",
@@ -79,6 +80,7 @@ class DiLoCo:
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizer made with the anchors",
         "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
+        "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
         "__weakref__": "held weakly by process-wide tables",
     }
 
@@ -91,12 +93,13 @@ class DiLoCo:
         outer_optimizer: str | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
+        sync_warmup: int | None = None,
         process_group: Any = None,
         config: Config | None = None,
     ):
         global _made
         given = {"sync_every": sync_every, "outer_optimizer": outer_optimizer, "outer_lr": outer_lr}
-        given["outer_momentum"] = outer_momentum
+        given["outer_momentum"], given["sync_warmup"] = outer_momentum, sync_warmup
         config = _config(config, {k: v for k, v in given.items() if v is not None})
         if config.sync_every != "auto" and config.sync_every < 1:
             raise ValueError(
@@ -107,7 +110,12 @@ class DiLoCo:
         self.index, _made = _made, _made + 1
         self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
         self.interval = AUTO_FIRST if self.sync_every == "auto" else self.sync_every
-        self.next_sync = self.interval
+        self.warmup = config.sync_warmup
+        self.next_sync = self.warmup + self.interval
+        if self.warmup and not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                f"sync_warmup={self.warmup} needs a DDP model: its gradient exchange runs the warm-up steps"
+            )
         self._timing: list[Any] = [None, [], 0.0]
         if isinstance(model, DistributedDataParallel):
             if model.static_graph:
@@ -137,8 +145,9 @@ class DiLoCo:
         self._engine_group = engine_group(self.group)
         self._hierarchy = self._build_hierarchy(config)
         self._undo: list[Any] = []
-        if isinstance(model, DistributedDataParallel):
-            self._switch_off_exchange(model)
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        if self._ddp is not None and not self.warmup:
+            self._switch_off_exchange()
         if self._module is not None:
             self._watch_looks()
         _install()
@@ -169,13 +178,15 @@ class DiLoCo:
         return False
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._anchors is None and self._holds(optimizer):
+        if self._anchors is None and self.steps >= self.warmup and self._holds(optimizer):
             self._start()
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
             return
         self.steps += 1
+        if self.steps == self.warmup and self._ddp is not None:
+            self._switch_off_exchange()  # the warm-up's steps were DDP's: from the next step on, local steps
         now = time.perf_counter()
         last, recent, _ = self._timing
         if last is not None:
@@ -365,8 +376,9 @@ class DiLoCo:
         ]
         module.train = train  # an instance attribute: DDP's train() reaches it through its children too
 
-    def _switch_off_exchange(self, model: DistributedDataParallel) -> None:
+    def _switch_off_exchange(self) -> None:
         """No gradient allreduce in backward and no buffer broadcast in forward: the syncs carry both."""
+        model, self._ddp = self._ddp, None
         before = model.require_backward_grad_sync, model.broadcast_buffers
 
         def restore() -> None:
@@ -393,6 +405,7 @@ class DiLoCo:
             "steps": self.steps,
             "interval": self.interval,
             "next_sync": self.next_sync,
+            "warmup": self.warmup,
             "synced_at": self.synced_at,
             "syncs": self.syncs,
             "anchors": self._anchors,
@@ -414,6 +427,12 @@ class DiLoCo:
                 raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
         self.interval, self.next_sync = state["interval"], state["next_sync"]
+        if state.get("warmup", 0) != self.warmup:
+            raise ValueError(
+                f"the checkpoint was taken with sync_warmup={state.get('warmup', 0)}, this run has {self.warmup}"
+            )
+        if self.steps >= self.warmup and self._ddp is not None:
+            self._switch_off_exchange()  # resumed after the warm-up
         if state["anchors"] is None:
             self._anchors = self._outer = None
             return
