@@ -155,8 +155,9 @@ class DiLoCo:
         warn_once(
             f"sync_every={self.sync_every} changes what is trained, not only how fast: each worker steps on its own "
             "gradients between syncs. Measured on a short run (300 steps, 4 workers, AdamW: docs/BENCHMARKS.md) it "
-            "ended 2% above plain DDP's validation loss syncing every 2 steps and 8% every 10; measure it on "
-            "your task (trainaccel bench quality) before relying on it"
+            "ended 1.3-1.6% above plain DDP's validation loss syncing every 2-4 steps after 30 warm-up steps "
+            "(sync_warmup), 3.5% every 4 without, 8% every 10; measure it on your task (trainaccel bench "
+            "quality) before relying on it"
         )
         info_once(
             f"sync_every={self.sync_every}: gradients stay on each worker; every "
@@ -187,6 +188,7 @@ class DiLoCo:
         self.steps += 1
         if self.steps == self.warmup and self._ddp is not None:
             self._switch_off_exchange()  # the warm-up's steps were DDP's: from the next step on, local steps
+            self._timing = [None, [], 0.0]  # their times included the exchange: auto measures local steps only
         now = time.perf_counter()
         last, recent, _ = self._timing
         if last is not None:
