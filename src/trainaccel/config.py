@@ -257,6 +257,19 @@ class Config:
         "first optimizer steps under sync_every that still exchange gradients every step (as plain DDP); the "
         "local steps and syncs begin after them",
     )
+    sync_fragments: int = _option(
+        1,
+        _number(int, 1, float("inf")),
+        "under sync_every, the parameters in this many fragments of about equal size, each synced every "
+        "sync_every steps at its own staggered step (Streaming DiLoCo): the same bytes, in smaller and more "
+        "frequent syncs",
+    )
+    sync_overlap: int = _option(
+        0,
+        _number(int, 0, float("inf")),
+        "under sync_every, optimizer steps a sync's exchange runs behind training before its result is applied "
+        "(the steps taken meanwhile are kept on top of it); 0: each sync waits for its exchange",
+    )
     outer_optimizer: str = _option(
         "average",
         _choice("average", "nesterov", "sgd"),
@@ -420,6 +433,24 @@ class Config:
         high, low = config.compression_ratio_max, config.compression_ratio
         if high is not None and high <= low:
             raise ConfigError("compression_ratio_max", high, f"a number above compression_ratio={low:g}, or empty")
+        steps_apart = {"sync_warmup": 0, "sync_fragments": 1, "sync_overlap": 0}
+        for option, off in steps_apart.items():
+            if not config.sync_every and getattr(config, option) != off:
+                raise ConfigError(option, getattr(config, option), f"{off} without sync_every, whose syncs it shapes")
+        if isinstance(config.sync_every, int) and config.sync_every:
+            every = config.sync_every
+            if config.sync_fragments > every:
+                raise ConfigError(
+                    "sync_fragments",
+                    config.sync_fragments,
+                    f"at most sync_every={every}: each fragment syncs at its own step of every {every}",
+                )
+            if config.sync_overlap > every:
+                raise ConfigError(
+                    "sync_overlap",
+                    config.sync_overlap,
+                    f"at most sync_every={every}: a fragment's sync is applied by the time its next one starts",
+                )
         if config.sync_every:
             # These act on the per-step gradient exchange, which sync_every switches off: refused, not ignored.
             per_step = {"compression": "none", "local_steps": 1, "autotune": "off"}

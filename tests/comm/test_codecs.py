@@ -210,3 +210,9 @@ def test_block_codecs_send_their_codes_exactly_and_flag_non_finite_input(name):
     assert torch.equal(codec.decompress(*codec.compress(zeros)), zeros)
     x[3] = float("nan")
     assert not bool(codec.values(codec.compress(x)[0]).isfinite().all())
+    x[3] = float("inf")
+    assert not bool(codec.values(codec.compress(x)[0]).isfinite().all())
+    # Subnormal blocks (a residual that has almost nothing left): finite codes, within half a step.
+    tiny = torch.tensor([1e-40, -3e-41, 0.0, 2e-45] * 64)
+    decoded = codec.decompress(*codec.compress(tiny))
+    assert bool(decoded.isfinite().all()) and float((decoded - tiny).abs().max()) <= 1e-40

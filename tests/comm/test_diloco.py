@@ -14,10 +14,13 @@ from trainaccel.comm import DiLoCo, register, sync_replicas
 from trainaccel.config import Config, ConfigError
 
 
-@pytest.fixture(scope="module", params=["none", "fp4"])
+@pytest.fixture(scope="module", params=["none", "fp4", "none/streaming"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("diloco")
-    env = {"TRAINACCEL_SYNC_EVERY": "3", "TRAINACCEL_OUTER_COMPRESSION": request.param}
+    codec, _, streaming = request.param.partition("/")
+    env = {"TRAINACCEL_SYNC_EVERY": "3", "TRAINACCEL_OUTER_COMPRESSION": codec}
+    if streaming:  # 3 fragments, each applied one step after its sync began
+        env.update(TRAINACCEL_SYNC_FRAGMENTS="3", TRAINACCEL_SYNC_OVERLAP="1")
     env["TRAINACCEL_OUTER_OPTIMIZER"] = "nesterov"  # the outer rule with state: momentum across syncs and resumes
     procs = run_nodes(SCRIPTS / "diloco.py", out, launcher=[*trainaccel_cmd(), "run"], env=env)
     for proc in procs:
@@ -40,12 +43,8 @@ def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
     seen = [r[what] for r in ranks[0]]
     assert all(s == seen[0] for s in seen), what
     if what == "hashes":
-        assert [step for step, _ in seen[0]] == [
-            3,
-            5,
-            6,
-            8,
-        ]  # syncs at 3 and 6, looks at 5 (.eval()) and 8 (state_dict)
+        # Syncs at 3 and 6, looks at 5 (.eval()) and 8 (state_dict); streaming: replicas are equal at looks only.
+        assert [step for step, _ in seen[0]] == ([5, 8] if "sync_fragments=3" in ranks[1] else [3, 5, 6, 8])
 
 
 @pytest.mark.multiprocess
@@ -57,7 +56,10 @@ def test_gradients_are_not_exchanged(ranks):
 def test_a_look_on_one_rank_sees_its_replica_and_says_so_once(ranks):
     results, out = ranks
     assert results[0]["subset_is_own_replica"] is True
-    assert out.count("state_dict() on rank(s) 0 only, 1 step after the last sync") == 1
+    assert out.count("state_dict() on rank(s) 0 only, ") == 1
+    # Streaming: the replicas were last equal at the start (syncs of a fragment, applied later, leave them apart).
+    after = "4 steps" if "sync_fragments=3" in out else "1 step"
+    assert f"state_dict() on rank(s) 0 only, {after} after the replicas were last equal" in out
 
 
 @pytest.mark.multiprocess
@@ -93,21 +95,43 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
     optimizer.step()
 
 
-def _by_hand(steps: int, every: int, outer: str, lr: float = 0.7, momentum: float = 0.9) -> list[torch.Tensor]:
+def _by_hand(
+    steps: int, every: int, outer: str, fragments: list[list[int]] | None = None, overlap: int = 0
+) -> list[torch.Tensor]:
+    """One replica by hand: fragment f's outer step every `every` steps from (f + 1) * every / F, applied `overlap`
+    steps later with the steps taken meanwhile kept on top."""
     model = _net()
-    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    anchors = [p.detach().clone() for p in model.parameters()]
-    outer_opt = torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=outer == "nesterov")
-    for i in range(1, steps + 1):
-        _step(model, inner, i)
-        if i % every == 0 and outer != "average":
-            with torch.no_grad():
-                for a, p in zip(anchors, model.parameters()):
-                    a.grad = a - p
-                outer_opt.step()
-                for a, p in zip(anchors, model.parameters()):
-                    p.copy_(a)
-    return [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    fragments = fragments or [list(range(len(params)))]
+    inner = torch.optim.AdamW(params, lr=0.01)
+    anchors = [p.detach().clone() for p in params]
+    nesterov = outer == "nesterov"
+    outers = [torch.optim.SGD([anchors[i] for i in f], lr=0.7, momentum=0.9, nesterov=nesterov) for f in fragments]
+    pending: dict[int, tuple[int, dict]] = {}
+    for step in range(1, steps + 1):
+        _step(model, inner, step)
+        with torch.no_grad():
+            for f in [f for f in sorted(pending) if pending[f][0] <= step]:
+                _, before = pending.pop(f)
+                for i in fragments[f]:
+                    params[i].copy_((params[i] - before[i]) + anchors[i])
+            for f, indices in enumerate(fragments):
+                offset = (f + 1) * every // len(fragments)
+                if step < offset or (step - offset) % every:
+                    continue
+                for i in indices:
+                    anchors[i].grad = anchors[i] - params[i]
+                if outer == "average":  # one replica: its own parameters are the mean
+                    for i in indices:
+                        anchors[i].sub_(anchors[i].grad)
+                else:
+                    outers[f].step()
+                pending[f] = (step + overlap, {i: params[i].clone() for i in indices})
+                if not overlap:
+                    for i in indices:
+                        params[i].copy_(anchors[i])
+                    del pending[f]
+    return [p.detach().clone() for p in params]
 
 
 @pytest.mark.usefixtures("one_process_group")
@@ -124,10 +148,41 @@ def test_explicit_api_on_a_plain_module_equals_the_outer_rule_by_hand(outer):
 
 
 @pytest.mark.usefixtures("one_process_group")
-def test_state_dict_resumes_the_exact_trajectory():
+@pytest.mark.parametrize("outer", ["nesterov", "sgd"])
+@pytest.mark.parametrize("fragments, overlap", [(2, 0), (2, 1), (1, 2), (3, 2), (4, 3), (1, 4), (2, 4)])
+def test_streaming_equals_staggered_delayed_outer_steps_by_hand(outer, fragments, overlap):
     model = _net()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    diloco = DiLoCo(model, inner, sync_every=3)
+    diloco = DiLoCo(model, inner, sync_every=4, outer_optimizer=outer, sync_fragments=fragments, sync_overlap=overlap)
+    ids = {id(p): i for i, p in enumerate(model.parameters())}
+    split = [[ids[id(p)] for p in fragment] for fragment in diloco.fragments]
+    assert sorted(i for f in split for i in f) == [0, 1, 2, 3] and all(split)
+    for i in range(1, 12):
+        _step(model, inner, i)
+    assert diloco.syncs == sum(1 + (11 - overlap - (f + 1) * 4 // fragments) // 4 for f in range(fragments))
+    for got, want in zip(model.parameters(), _by_hand(11, 4, outer, split, overlap)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+
+
+def test_fragments_are_contiguous_runs_of_about_equal_size():
+    from trainaccel.comm.diloco import split_fragments
+
+    def sizes(numels: list[int], count: int) -> list[list[int]]:
+        return [[p.numel() for p in run] for run in split_fragments([torch.zeros(n) for n in numels], count)]
+
+    assert sizes([10, 10, 10, 10], 2) == [[10, 10], [10, 10]]
+    assert sizes([1000, 1, 1000, 1, 1000, 1], 3) == [[1000, 1], [1000, 1], [1000, 1]]
+    assert sizes([100, 1, 1, 1], 3) == [[100], [1], [1, 1]]  # a large first tensor: later runs still non-empty
+    assert sizes([1, 1, 1, 100], 3) == [[1, 1], [1], [100]]
+    assert sizes([3, 3], 2) == [[3], [3]]
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("streaming", [{}, {"sync_fragments": 3, "sync_overlap": 1}])
+def test_state_dict_resumes_the_exact_trajectory(streaming):
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=3, outer_optimizer="nesterov", **streaming)
     for i in range(1, 5):
         _step(model, inner, i)
     saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()})
@@ -136,7 +191,7 @@ def test_state_dict_resumes_the_exact_trajectory():
     model2 = _net()
     nn.init.zeros_(model2[0].weight)  # a different start: everything must come from the checkpoint
     inner2 = torch.optim.AdamW(model2.parameters(), lr=0.01)
-    diloco2 = DiLoCo(model2, inner2, sync_every=3)
+    diloco2 = DiLoCo(model2, inner2, sync_every=3, outer_optimizer="nesterov", **streaming)
     model2.load_state_dict(saved["model"])
     inner2.load_state_dict(saved["inner"])
     diloco2.load_state_dict(saved["diloco"])
@@ -145,7 +200,12 @@ def test_state_dict_resumes_the_exact_trajectory():
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="taken with sync_every=3, this run has sync_every=4"):
-        DiLoCo(_net(), None, sync_every=4).load_state_dict(saved["diloco"])
+        DiLoCo(_net(), None, sync_every=4, outer_optimizer="nesterov", **streaming).load_state_dict(saved["diloco"])
+    other = {"sync_fragments": 2} if streaming else {"sync_overlap": 1}
+    with pytest.raises(ValueError, match="taken with sync_(fragments|overlap)=[013], this run has sync_"):
+        DiLoCo(_net(), None, sync_every=3, outer_optimizer="nesterov", **{**streaming, **other}).load_state_dict(
+            saved["diloco"]
+        )
 
 
 @pytest.mark.usefixtures("one_process_group")
@@ -207,11 +267,34 @@ def test_per_step_options_are_refused_with_sync_every(option, value):
         ("outer_lr", 0, "a number > 0"),
         ("outer_momentum", 1, r"a number in \[0, 1\)"),
         ("outer_optimizer", "lamb", "average, nesterov, sgd"),
+        ("sync_fragments", 0, "an integer >= 1"),
+        ("sync_overlap", -1, "an integer >= 0"),
     ],
 )
 def test_bad_values_are_refused(option, value, accepted):
     with pytest.raises(ConfigError, match=f"accepted: {accepted}"):
         Config.resolve(env={}, **{option: value})
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sync_fragments": 2}, "invalid sync_fragments=2; accepted: 1 without sync_every"),
+        ({"sync_overlap": 1}, "invalid sync_overlap=1; accepted: 0 without sync_every"),
+        ({"sync_warmup": 5}, "invalid sync_warmup=5; accepted: 0 without sync_every"),
+        ({"sync_every": 4, "sync_fragments": 5}, "invalid sync_fragments=5; accepted: at most sync_every=4"),
+        ({"sync_every": 4, "sync_overlap": 5}, "invalid sync_overlap=5; accepted: at most sync_every=4"),
+    ],
+)
+def test_streaming_settings_that_cannot_apply_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.resolve(env={}, **options)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_more_fragments_than_parameter_tensors_is_refused():
+    with pytest.raises(ValueError, match="invalid sync_fragments=5; accepted: at most the model's 4 trainable"):
+        DiLoCo(_net(), None, sync_every=8, sync_fragments=5)
 
 
 @pytest.mark.usefixtures("one_process_group")

@@ -1,13 +1,15 @@
 """A plain DDP script (no trainaccel import while training) run under `sync_every`, checked against DiLoCo computed
 by hand: every rank replays all replicas in-process (inner AdamW, outer Nesterov SGD on the mean change).
 
-Run with TRAINACCEL_SYNC_EVERY=3 on 2 emulated nodes x 2 workers; each rank writes OUT_DIR/rank{r}.json.
+Run with TRAINACCEL_SYNC_EVERY=3 (and optionally TRAINACCEL_SYNC_FRAGMENTS=3, TRAINACCEL_SYNC_OVERLAP=1) on 2
+emulated nodes x 2 workers; each rank writes OUT_DIR/rank{r}.json.
 """
 
 import copy
 import hashlib
 import io
 import json
+import os
 import sys
 
 import torch
@@ -16,6 +18,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 H, LR, OUTER_LR, OUTER_MOMENTUM = 3, 0.01, 0.7, 0.9
+# Streaming, when the environment asks for it: sync_fragments and sync_overlap as trainaccel reads them.
+F = int(os.environ.get("TRAINACCEL_SYNC_FRAGMENTS", "1"))
+TAU = int(os.environ.get("TRAINACCEL_SYNC_OVERLAP", "0"))
+FRAGMENTS = {1: [[0, 1, 2, 3]], 3: [[0], [1], [2, 3]]}[F]  # net()'s 4 tensors (96, 16, 48, 3 values) split by size
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,12 +46,34 @@ def flat(module: nn.Module) -> torch.Tensor:
 
 
 def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tensor:
-    """DiLoCo by hand: `world` replicas, an outer Nesterov step every H steps, a plain average at each look."""
+    """DiLoCo by hand: `world` replicas; fragment f's outer Nesterov step every H steps from step (f + 1) H / F,
+    applied TAU steps later with the steps taken meanwhile kept on top; at each look, in-flight syncs, then the mean.
+    """
     start = net(seed)
     replicas = [copy.deepcopy(start) for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in replicas]
     anchor = [p.detach().clone() for p in start.parameters()]
-    outer = torch.optim.SGD(anchor, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    outers = [
+        torch.optim.SGD([anchor[i] for i in group], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        for group in FRAGMENTS
+    ]
+    pending: dict = {}  # fragment -> (step it is applied at, each replica's parameters when its sync began)
+
+    def apply(f: int) -> None:
+        _, then = pending.pop(f)
+        for m, before in zip(replicas, then):
+            for i in FRAGMENTS[f]:
+                p = list(m.parameters())[i]
+                p.copy_((p - before[i]) + anchor[i])
+
+    def begin(f: int, step: int) -> None:
+        for i in FRAGMENTS[f]:
+            anchor[i].grad = sum((anchor[i] - list(m.parameters())[i]) / world for m in replicas)
+        outers[f].step()
+        pending[f] = (step + TAU, [{i: list(m.parameters())[i].clone() for i in FRAGMENTS[f]} for m in replicas])
+        if TAU == 0:
+            apply(f)
+
     for step in range(1, steps + 1):
         for r, (m, opt) in enumerate(zip(replicas, inners)):
             x, y = batch(r, step)
@@ -53,14 +81,15 @@ def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tens
             nn.functional.mse_loss(m(x), y).backward()
             opt.step()
         with torch.no_grad():
-            if step % H == 0:
-                for i, a in enumerate(anchor):
-                    a.grad = sum((a - list(m.parameters())[i]) / world for m in replicas)
-                outer.step()
-                for m in replicas:
-                    for p, a in zip(m.parameters(), anchor):
-                        p.copy_(a)
-            elif step in looks:
+            for f in [f for f in sorted(pending) if pending[f][0] <= step]:
+                apply(f)
+            for f in range(F):
+                offset = (f + 1) * H // F
+                if step >= offset and (step - offset) % H == 0:
+                    begin(f, step)
+            if step in looks:
+                for f in sorted(pending, key=lambda f: (pending[f][0], f)):
+                    apply(f)
                 for ps in zip(*(m.parameters() for m in replicas)):
                     mean = sum(p / world for p in ps)
                     for p in ps:
@@ -77,7 +106,8 @@ def train(model: DDP, optimizer: torch.optim.Optimizer, rank: int, first: int, l
         if step in look_at:
             model.module.eval()  # every rank looks: the replicas are averaged
             model.train()
-        if hashes is not None and (step % H == 0 or step in look_at):
+        # (A digest is a look; with fragments or overlap the replicas are equal only at looks, so none between.)
+        if hashes is not None and ((step % H == 0 and F == 1 and TAU == 0) or step in look_at):
             hashes.append([step, digest(model.module)])
 
 

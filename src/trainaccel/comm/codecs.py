@@ -216,6 +216,11 @@ class BlockQuantized:
     summable, lossy = False, True
     BLOCK = 256
     FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
+    # The midpoints between E2M1's magnitudes are multiples of 1/4: floor(4 |x|) picks the nearest code by table.
+    _NEAREST = torch.tensor([sum(q >= e for e in (1, 3, 5, 7, 10, 14, 20)) for q in range(25)], dtype=torch.uint8)
+    # Each byte's two values (low nibble first), signs included: decoding is one table lookup per byte.
+    _SIGNED = torch.cat([FP4, -FP4])
+    _PAIRS = torch.stack([_SIGNED[torch.arange(256) & 15], _SIGNED[torch.arange(256) >> 4]], dim=1)
 
     def __init__(self, name: str):
         if name not in ("int8", "fp4"):
@@ -229,13 +234,14 @@ class BlockQuantized:
         x = torch.nn.functional.pad(tensor.float(), (0, blocks * self.BLOCK - n)).view(blocks, self.BLOCK)
         scales = x.abs().amax(dim=1) / self.top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: codes 0
-        x = x / safe[:, None]
+        if not bool(scales.isfinite().all()):  # the scales carry it (the finiteness check); codes must be valid
+            x = x.nan_to_num(0.0, 0.0, 0.0)
         if self.name == "int8":
-            codes = x.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
+            codes = (x / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
         else:
-            midpoints = (self.FP4[1:] + self.FP4[:-1]) / 2
-            magnitude = torch.bucketize(x.abs().clamp_(max=6.0), midpoints).to(torch.uint8)
-            code = magnitude | ((x < 0).to(torch.uint8) << 3)
+            x = (x / safe[:, None]).mul_(4.0)  # (not x * (4 / safe): a subnormal scale's reciprocal overflows)
+            quarters = x.abs().clamp_(max=24.0).to(torch.int64)
+            code = self._NEAREST[quarters] | ((x < 0).to(torch.uint8) << 3)
             codes = (code[:, 0::2] | (code[:, 1::2] << 4)).reshape(-1)
         payload = torch.cat([scales.view(torch.uint8), codes])
         return payload, (n, tensor.dtype, blocks)
@@ -256,8 +262,7 @@ class BlockQuantized:
         if self.name == "int8":
             x = codes.view(torch.int8).float()
         else:
-            both = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(blocks, self.BLOCK).long()
-            x = self.FP4[both & 0x07] * (1.0 - 2.0 * (both >> 3).float())
+            x = torch.nn.functional.embedding(codes.to(torch.int32), self._PAIRS).view(blocks, self.BLOCK)
         return (x * scales[:, None]).reshape(-1)[:n].to(dtype)
 
 

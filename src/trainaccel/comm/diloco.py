@@ -10,6 +10,10 @@ Replicas differ between syncs. They are made equal (averaged, on every rank at o
 the model on every rank: `.eval()` or an evaluation forward of the model or its module, `state_dict()` of either,
 `torch.distributed.destroy_process_group()`, or `sync_replicas(model)`. A look on some ranks only cannot average
 (the others have trained on): it sees that rank's own replica, and says so once.
+
+Streaming (`sync_fragments`, `sync_overlap`): the parameters in fragments synced at staggered steps, each exchange
+running on the communication thread behind the next steps of training; its result is applied `sync_overlap` steps
+later, with the steps taken meanwhile kept on top.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from trainaccel.observer import observer_of, watch_optimizer_steps
 
 log = logging.getLogger("trainaccel")
 
-FORMAT = 1
+FORMAT = 2  # 1: before fragments (one of everything); still read
 _KEY = "trainaccel/diloco"
 _POLL_S = 0.05
 # sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
@@ -52,32 +56,57 @@ _made = 0  # DiLoCo objects made in this process since init: the next one's inde
 _real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
+class _Fragment:
+    """A share of the parameters with its own anchors, outer optimizer and place in the schedule."""
+
+    __slots__ = {
+        "index": "position among the fragments: its error-feedback key and its step within each round",
+        "params": "its parameters: a contiguous run of the model's, about 1/F of the elements",
+        "buffers": "floating-point buffers averaged with its syncs (the last fragment holds them all)",
+        "anchors": "float32 parameters after its last regular sync (None until the first inner step)",
+        "outer": "torch.optim.SGD over the anchors (None for average)",
+        "next_sync": "`steps` at which its next regular sync starts",
+        "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
+    }
+
+    def __init__(self, index: int, params: list[torch.Tensor], buffers: list[torch.Tensor]):
+        self.index, self.params, self.buffers = index, params, buffers
+        self.anchors: list[torch.Tensor] | None = None
+        self.outer: torch.optim.Optimizer | None = None
+        self.next_sync = 0
+        self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"diloco/{self.index}"
+
+
 class DiLoCo:
     """Inner optimizer steps on each worker; every `sync_every` of them, the outer step on the averaged change."""
 
     __slots__ = {
         "index": "creation order in this process: names this model in the store on every rank",
         "sync_every": "inner steps between syncs as configured: an integer, or auto",
-        "interval": "inner steps between syncs now (auto: chosen from the measured sync and step times)",
-        "next_sync": "`steps` at which the next regular sync happens",
+        "interval": "inner steps between a fragment's syncs now (auto: chosen from the measured sync and step times)",
         "warmup": "first inner steps with DDP's own gradient exchange still on (sync_warmup): local steps begin after",
+        "overlap": "inner steps an exchange runs behind training before its result is applied (sync_overlap)",
         "outer_optimizer": "nesterov, sgd or average",
         "group": "the process group replicas are averaged over",
         "steps": "inner steps so far (skipped GradScaler steps count: every rank counts alike)",
-        "synced_at": "`steps` at the last sync (regular or at a look): nothing to average while equal",
-        "syncs": "regular syncs (outer steps) so far",
+        "synced_at": "`steps` when the replicas were last made equal (a sync of the whole model, or a look)",
+        "syncs": "regular syncs (outer steps of a fragment) so far",
         "bytes_sent": "bytes this rank has put into syncs' allreduces",
         "_module": "the module whose parameters are trained (a DDP model's module); None when given parameters",
         "_params": "its trainable parameters, deduplicated",
-        "_buffers": "its floating-point buffers (BatchNorm statistics): averaged at each sync",
-        "_anchors": "float32 parameters after the last regular sync (None until the first inner step)",
+        "_fragments": "the parameters split for staggered syncs (one fragment without sync_fragments)",
+        "_started": "whether the anchors exist (the first inner step after the warm-up has begun)",
         "_codec": "the outer_compression codec of the parameter change",
         "_feedback": "its error feedback (lossy codecs), or None",
         "_hierarchy": "the HierarchicalReduce the change goes through (multi-node, hierarchical), or None",
         "_engine_group": "the engine's own copy of `group` for the flat exchange",
-        "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), last sync's seconds]",
-        "_outer": "torch.optim.SGD over the anchors (None for average)",
-        "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizer made with the anchors",
+        "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), seconds in syncs]",
+        "_measured": "auto: the future of the slowest rank's (sync, step) seconds, read at the next round's end",
+        "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
         "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
         "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
@@ -94,12 +123,15 @@ class DiLoCo:
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         sync_warmup: int | None = None,
+        sync_fragments: int | None = None,
+        sync_overlap: int | None = None,
         process_group: Any = None,
         config: Config | None = None,
     ):
         global _made
         given = {"sync_every": sync_every, "outer_optimizer": outer_optimizer, "outer_lr": outer_lr}
         given["outer_momentum"], given["sync_warmup"] = outer_momentum, sync_warmup
+        given["sync_fragments"], given["sync_overlap"] = sync_fragments, sync_overlap
         config = _config(config, {k: v for k, v in given.items() if v is not None})
         if config.sync_every != "auto" and config.sync_every < 1:
             raise ValueError(
@@ -109,14 +141,15 @@ class DiLoCo:
             raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
         self.index, _made = _made, _made + 1
         self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
-        self.interval = AUTO_FIRST if self.sync_every == "auto" else self.sync_every
-        self.warmup = config.sync_warmup
-        self.next_sync = self.warmup + self.interval
+        self.warmup, self.overlap = config.sync_warmup, config.sync_overlap
+        floor = max(config.sync_fragments, self.overlap, 1)  # auto: distinct steps per fragment, applied in time
+        self.interval = max(AUTO_FIRST, floor) if self.sync_every == "auto" else self.sync_every
         if self.warmup and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 f"sync_warmup={self.warmup} needs a DDP model: its gradient exchange runs the warm-up steps"
             )
         self._timing: list[Any] = [None, [], 0.0]
+        self._measured: torch.futures.Future | None = None
         if isinstance(model, DistributedDataParallel):
             if model.static_graph:
                 raise ValueError(
@@ -130,14 +163,23 @@ class DiLoCo:
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
             self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
-            self._buffers = [b for b in self._module.buffers() if b.is_floating_point()]
+            buffers = [b for b in self._module.buffers() if b.is_floating_point()]
         else:  # parameters (the Horovod API's optimizer): no module to watch for looks, no buffers
-            self._module, self._buffers = None, []
+            self._module, buffers = None, []
             self._params = [p for p in dict.fromkeys(model) if p.requires_grad]
         if not self._params:
             raise ValueError("DiLoCo: the model has no trainable parameters")
-        self._anchors: list[torch.Tensor] | None = None
-        self._outer: torch.optim.Optimizer | None = None
+        if config.sync_fragments > len(self._params):
+            raise ValueError(
+                f"invalid sync_fragments={config.sync_fragments}; accepted: at most the model's {len(self._params)} "
+                "trainable parameter tensors (a fragment holds whole tensors)"
+            )
+        self._fragments = [
+            _Fragment(i, params, buffers if i == config.sync_fragments - 1 else [])
+            for i, params in enumerate(split_fragments(self._params, config.sync_fragments))
+        ]
+        self._schedule(self.warmup)
+        self._started = False
         self._outer_settings = (config.outer_lr, config.outer_momentum)
         self._inner = weakref.ref(optimizer) if optimizer is not None else None
         self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
@@ -159,11 +201,24 @@ class DiLoCo:
             "(sync_warmup), 3.5% every 4 without, 8% every 10; measure it on your task (trainaccel bench "
             "quality) before relying on it"
         )
+        streaming = ""
+        if len(self._fragments) > 1 or self.overlap:
+            streaming = f" in {len(self._fragments)} staggered fragment(s), applied {self.overlap} step(s) later"
         info_once(
             f"sync_every={self.sync_every}: gradients stay on each worker; every "
             f"{'few (chosen from measured times)' if self.sync_every == 'auto' else self.sync_every} optimizer steps "
-            f"the replicas' change is averaged ({self.outer_optimizer} outer step)"
+            f"the replicas' change is averaged ({self.outer_optimizer} outer step){streaming}"
         )
+
+    @property
+    def next_sync(self) -> int:
+        """`steps` at which the next regular sync (of any fragment) starts."""
+        return min(f.next_sync for f in self._fragments)
+
+    @property
+    def fragments(self) -> list[list[torch.Tensor]]:
+        """The parameters of each fragment, in sync order."""
+        return [list(f.params) for f in self._fragments]
 
     # -- what the training loop drives -------------------------------------------------------------------------
 
@@ -179,7 +234,7 @@ class DiLoCo:
         return False
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._anchors is None and self.steps >= self.warmup and self._holds(optimizer):
+        if not self._started and self.steps >= self.warmup and self._holds(optimizer):
             self._start()
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -194,24 +249,54 @@ class DiLoCo:
         if last is not None:
             recent.append(now - last)
             del recent[:-AUTO_WINDOW]
-        if self.steps >= self.next_sync:
-            self._sync(outer=True)
+        if self._started:
+            for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
+                if fragment.pending is not None and fragment.pending[0] <= self.steps:
+                    self._finish(fragment, outer=True)
+            for fragment in self._fragments:
+                if fragment.next_sync == self.steps:
+                    self._begin(fragment, outer=True)
+            if self._fragments[-1].next_sync == self.steps:  # the round's last fragment: the next round
+                self._end_round()
             took = time.perf_counter() - now
-            self._timing[2] = took
-            if self.sync_every == "auto":
-                self._choose_interval()
-            self.next_sync = self.steps + self.interval
-            now += took  # the next step's time leaves this sync out
+            self._timing[2] += took
+            now += took  # the next step's time leaves the syncs out
         self._timing[0] = now
 
+    def _schedule(self, start: int) -> None:
+        """The next round: fragment i syncs (i + 1) * interval / F steps after `start`, the last at `interval`."""
+        count = len(self._fragments)
+        for fragment in self._fragments:
+            fragment.next_sync = start + (fragment.index + 1) * self.interval // count
+
+    def _end_round(self) -> None:
+        if self.sync_every == "auto":
+            self._choose_interval()
+        self._schedule(self.steps)
+
     def _choose_interval(self) -> None:
-        """auto: the smallest interval whose syncs take at most AUTO_SHARE of the time (slowest rank's figures)."""
+        """auto: the smallest interval whose syncs take at most AUTO_SHARE of the time (slowest rank's figures).
+
+        The slowest rank's times travel on the communication thread behind the syncs in flight, and are read at
+        the end of the next round: every rank decides alike, one round late, without waiting on the exchanges.
+        """
         _, recent, took = self._timing
+        self._timing[2] = 0.0
+        previous, self._measured = self._measured, None
         step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
         measured = torch.tensor([took, step_s], dtype=torch.float64)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._engine_group)  # every rank decides alike
-        took, step_s = measured.tolist()
-        chosen = interval_for(took, step_s)
+        group = self._engine_group
+
+        def slowest() -> torch.Tensor:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+            return measured
+
+        self._measured = comm_thread().submit(slowest)
+        if previous is None:
+            return
+        took, step_s = previous.wait().tolist()
+        floor = max(len(self._fragments), self.overlap, 1)
+        chosen = max(floor, interval_for(took, step_s))
         if chosen != self.interval:
             self.interval = chosen
             info_once(
@@ -221,20 +306,22 @@ class DiLoCo:
 
     def _start(self) -> None:
         """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
+        buffers = self._fragments[-1].buffers
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).float() for t in [*self._params, *self._buffers]])
+            flat = torch.cat([t.detach().reshape(-1).float() for t in [*self._params, *buffers]])
             dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-            for tensor, value in zip([*self._params, *self._buffers], flat.split(_sizes(self._params, self._buffers))):
+            for tensor, value in zip([*self._params, *buffers], flat.split(_sizes([*self._params, *buffers]))):
                 tensor.copy_(value.view_as(tensor))
         self._make_anchors()
 
     def _make_anchors(self) -> None:
-        self._anchors = [p.detach().float().clone() for p in self._params]
-        if self.outer_optimizer == "average":
-            return
+        self._started = True
         lr, momentum = self._outer_settings
         nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
-        self._outer = torch.optim.SGD(self._anchors, lr=lr, momentum=momentum, nesterov=nesterov)
+        for fragment in self._fragments:
+            fragment.anchors = [p.detach().float().clone() for p in fragment.params]
+            if self.outer_optimizer != "average":
+                fragment.outer = torch.optim.SGD(fragment.anchors, lr=lr, momentum=momentum, nesterov=nesterov)
 
     def _build_hierarchy(self, config: Config) -> HierarchicalReduce | None:
         """Full precision inside a node, the codec across nodes: as the per-step exchange's hierarchy decides."""
@@ -251,52 +338,85 @@ class DiLoCo:
             return None
         return HierarchicalReduce(topology, self._codec, self._feedback)
 
-    def _average_change(self) -> torch.Tensor:
-        """The mean over workers of (anchor - parameters), flat float32, through the codec (and the hierarchy)."""
-        world = dist.get_world_size(self.group)
-        change = torch.cat([(a - p.detach().float()).reshape(-1) for a, p in zip(self._anchors, self._params)])
-        change.div_(world)  # summing shares: fp16/bf16 sums stay in range, every rank gets the same bits
-        if self._hierarchy is not None:
-            before = self._hierarchy.bytes_sent
-            hierarchy = self._hierarchy
-            mean = comm_thread().submit(lambda: hierarchy.reduce(change, "diloco")[0]).wait()
-            self.bytes_sent += hierarchy.bytes_sent - before
-            return mean
-        outcome = start_exchange(self._codec, self._feedback, change, "diloco", self._engine_group).finish()
-        self.bytes_sent += outcome.sent
-        return outcome.result.float()
+    def _begin(self, fragment: _Fragment, outer: bool) -> None:
+        """Start averaging a fragment's change (anchor - parameters) on the communication thread.
 
-    def _sync(self, outer: bool) -> None:
-        """Average the parameter change over the workers; an outer step (`outer`) or the replicas' mean (a look)."""
-        if self._anchors is None:
-            return
+        A regular sync with sync_overlap is applied `overlap` steps later; any other finishes here.
+        """
+        world = dist.get_world_size(self.group)
         with torch.no_grad():
-            mean = self._average_change().split([a.numel() for a in self._anchors])
-            if outer and self._outer is not None:
-                for anchor, change in zip(self._anchors, mean):
+            values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
+            # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
+            change = torch.cat([a.reshape(-1) for a in fragment.anchors]).sub_(values).div_(world)
+            buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
+        if buffers is not None:
+            buffers.div_(world)
+        hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
+
+        def average() -> tuple[torch.Tensor, torch.Tensor | None, int]:
+            if hierarchy is not None:
+                before = hierarchy.bytes_sent
+                mean = hierarchy.reduce(change, fragment.key)[0]
+                sent = hierarchy.bytes_sent - before
+            else:
+                outcome = start_exchange(codec, feedback, change, fragment.key, group).finish()
+                mean, sent = outcome.result.float(), outcome.sent
+            if buffers is not None:
+                dist.all_reduce(buffers, group=group)
+                sent += buffers.numel() * buffers.element_size()
+            return mean, buffers, sent
+
+        overlapped = outer and self.overlap > 0
+        snapshot = None  # what the steps taken while the exchange runs are measured from
+        if overlapped:
+            snapshot = torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
+        fragment.pending = (self.steps + (self.overlap if outer else 0), comm_thread().submit(average), snapshot)
+        if not overlapped:
+            self._finish(fragment, outer)
+
+    def _finish(self, fragment: _Fragment, outer: bool) -> None:
+        """Apply a fragment's averaged change: the outer step (`outer`) or the replicas' mean (a look).
+
+        Steps taken while the exchange ran (sync_overlap) stay on top: what they changed since it began is added.
+        """
+        _, future, snapshot = fragment.pending
+        fragment.pending = None
+        mean, buffers, sent = future.wait()
+        self.bytes_sent += sent
+        with torch.no_grad():
+            means = mean.split([a.numel() for a in fragment.anchors])
+            if outer and fragment.outer is not None:
+                for anchor, change in zip(fragment.anchors, means):
                     anchor.grad = change.view_as(anchor)  # the outer "gradient"
-                self._outer.step()
-                for anchor in self._anchors:
+                fragment.outer.step()
+                for anchor in fragment.anchors:
                     anchor.grad = None
-                targets = self._anchors
+                targets = fragment.anchors
             elif outer:  # average: the mean of the replicas is the new anchor
-                for anchor, change in zip(self._anchors, mean):
+                for anchor, change in zip(fragment.anchors, means):
                     anchor.sub_(change.view_as(anchor))
-                targets = self._anchors
+                targets = fragment.anchors
             else:  # a look: the replicas' mean, the anchor (and the outer optimizer) untouched
-                targets = [a - change.view_as(a) for a, change in zip(self._anchors, mean)]
-            for p, value in zip(self._params, targets):
-                p.copy_(value)
-            if self._buffers:
-                world = dist.get_world_size(self.group)
-                flat = torch.cat([b.float().reshape(-1) for b in self._buffers]).div_(world)
-                dist.all_reduce(flat, group=self._engine_group)
-                self.bytes_sent += flat.numel() * flat.element_size()
-                for b, value in zip(self._buffers, flat.split([b.numel() for b in self._buffers])):
-                    b.copy_(value.view_as(b))
-        self.synced_at = self.steps
+                targets = [a - change.view_as(a) for a, change in zip(fragment.anchors, means)]
+            tensors = [*fragment.params, *(fragment.buffers if buffers is not None else [])]
+            values = [*targets, *(buffers.split(_sizes(fragment.buffers)) if buffers is not None else [])]
+            then = snapshot.split(_sizes(tensors)) if snapshot is not None else [None] * len(tensors)
+            for tensor, value, before in zip(tensors, values, then):
+                if before is None:
+                    tensor.copy_(value.view_as(tensor))
+                else:
+                    tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value.view_as(tensor)))
         if outer:
             self.syncs += 1
+            if len(self._fragments) == 1 and snapshot is None:
+                self.synced_at = self.steps
+
+    def _drain(self) -> None:
+        """Apply every exchange in flight now (before a look, a checkpoint or the end)."""
+        for fragment in sorted(
+            (f for f in self._fragments if f.pending is not None), key=lambda f: (f.pending[0], f.index)
+        ):
+            self._finish(fragment, outer=True)
 
     # -- looks -------------------------------------------------------------------------------------------------
 
@@ -305,18 +425,23 @@ class DiLoCo:
         self._look("sync()")
 
     def _look(self, what: str) -> None:
-        if self._anchors is None or self.steps == self.synced_at or not dist.is_initialized():
+        if not self._started or not dist.is_initialized():
             return  # nothing to average, or no group left to average over (after destroy_process_group())
+        self._drain()
+        if self.steps == self.synced_at:
+            return
         lookers = self._lookers()
         if lookers is None:
-            self._sync(outer=False)
+            for fragment in self._fragments:  # each fragment's replicas averaged in turn
+                self._begin(fragment, outer=False)
+            self.synced_at = self.steps
             return
         behind = self.steps - self.synced_at
         warn_once(
             f"{what} on rank(s) {', '.join(map(str, lookers))} only, {behind} step{'s' if behind > 1 else ''} after "
-            f"the last sync (sync_every={self.sync_every}): the replicas differ and cannot be averaged without every "
-            "rank, so this rank's own replica is what it sees; look on every rank (evaluate, save) to see the "
-            "averaged model",
+            f"the replicas were last equal (sync_every={self.sync_every}): the replicas differ and cannot be "
+            "averaged without every rank, so this rank's own replica is what it sees; look on every rank "
+            "(evaluate, save) to see the averaged model",
             every_rank=True,
         )
 
@@ -392,6 +517,8 @@ class DiLoCo:
 
     def detach(self) -> None:
         """Stop: hooks removed, DDP's exchange back as it was (`shutdown()`); the state stays readable."""
+        if dist.is_initialized():
+            self._drain()  # every rank started these exchanges: their results are not dropped
         while self._undo:
             self._undo.pop()()
         _live.pop(self.index, None)
@@ -399,59 +526,107 @@ class DiLoCo:
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The anchors, the outer optimizer and the step count: with the model and inner optimizer, an exact resume."""
+        """The anchors, the outer optimizers and the schedule: with the model and inner optimizer, an exact resume.
+
+        Exchanges in flight are applied first (every rank started them, so this waits on no one).
+        """
+        self._drain()
+        measured = self._measured.wait().tolist() if self._measured is not None else None
+        fragments = self._fragments
         return {
             "format": FORMAT,
             "sync_every": self.sync_every,
             "outer_optimizer": self.outer_optimizer,
+            "sync_fragments": len(fragments),
+            "sync_overlap": self.overlap,
+            "warmup": self.warmup,
             "steps": self.steps,
             "interval": self.interval,
-            "next_sync": self.next_sync,
-            "warmup": self.warmup,
+            "next_sync": [f.next_sync for f in fragments],
             "synced_at": self.synced_at,
             "syncs": self.syncs,
-            "anchors": self._anchors,
-            "outer": self._outer.state_dict() if self._outer is not None else None,
+            "anchors": [a for f in fragments for a in f.anchors] if self._started else None,
+            "outer": [f.outer.state_dict() if f.outer is not None else None for f in fragments],
             "outer_compression": self._codec.name,
             # What a lossy codec has not sent yet, and fp16's dynamic scales: part of the trajectory.
             "residuals": dict(self._feedback.residuals) if self._feedback is not None else {},
             "scales": dict(getattr(self._codec, "scales", None) or {}),
+            "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()` (before the next inner step)."""
-        if state.get("format") != FORMAT:
-            raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads format {FORMAT}")
-        mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer}
+        state = _upgrade(state)
+        mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer, "warmup": self.warmup}
+        mine.update(sync_fragments=len(self._fragments), sync_overlap=self.overlap)
         mine["outer_compression"] = self._codec.name
         for name, value in mine.items():
             if state[name] != value:
+                name = "sync_warmup" if name == "warmup" else name
                 raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
-        self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
-        self.interval, self.next_sync = state["interval"], state["next_sync"]
-        if state.get("warmup", 0) != self.warmup:
-            raise ValueError(
-                f"the checkpoint was taken with sync_warmup={state.get('warmup', 0)}, this run has {self.warmup}"
-            )
-        if self.steps >= self.warmup and self._ddp is not None:
-            self._switch_off_exchange()  # resumed after the warm-up
-        if state["anchors"] is None:
-            self._anchors = self._outer = None
-            return
-        if len(state["anchors"]) != len(self._params):
+        if state["anchors"] is not None and len(state["anchors"]) != len(self._params):
             raise ValueError(
                 f"the checkpoint holds {len(state['anchors'])} anchors, this model has {len(self._params)} parameters"
             )
+        self._drain()
+        self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
+        self.interval = state["interval"]
+        for fragment, next_sync in zip(self._fragments, state["next_sync"]):
+            fragment.next_sync = next_sync
+        recent, took, measured = state["timing"]
+        self._timing = [None, list(recent), took]
+        self._measured = None
+        if measured is not None:
+            self._measured = torch.futures.Future()
+            self._measured.set_result(torch.tensor(measured, dtype=torch.float64))
+        if self.steps >= self.warmup and self._ddp is not None:
+            self._switch_off_exchange()  # resumed after the warm-up
+        if state["anchors"] is None:
+            self._started = False
+            for fragment in self._fragments:
+                fragment.anchors = fragment.outer = None
+            return
         self._make_anchors()
+        saved = iter(state["anchors"])
         with torch.no_grad():
-            for anchor, saved in zip(self._anchors, state["anchors"]):
-                anchor.copy_(saved)
-        if self._outer is not None and state["outer"] is not None:
-            self._outer.load_state_dict(state["outer"])
+            for fragment, outer in zip(self._fragments, state["outer"]):
+                for anchor in fragment.anchors:
+                    anchor.copy_(next(saved))
+                if fragment.outer is not None and outer is not None:
+                    fragment.outer.load_state_dict(outer)
         if self._feedback is not None:
             self._feedback.residuals = {key: value.clone() for key, value in state["residuals"].items()}
         if getattr(self._codec, "scales", None) is not None:
             self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
+
+
+def split_fragments(params: list[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
+    """`params` in `count` contiguous runs of about equal elements, none empty."""
+    total = sum(p.numel() for p in params)
+    runs: list[list[torch.Tensor]] = [[] for _ in range(count)]
+    run, seen = 0, 0
+    for i, p in enumerate(params):
+        left = len(params) - i  # tensors not placed yet, this one included
+        past_share = seen + p.numel() / 2 > total * (run + 1) / count  # most of this tensor beyond the run's share
+        if runs[run] and run < count - 1 and (past_share or left <= count - run - 1):
+            run += 1
+        runs[run].append(p)
+        seen += p.numel()
+    return runs
+
+
+def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """A state of an older format in this format's terms, or a one-line error."""
+    if state.get("format") == FORMAT:
+        return state
+    if state.get("format") != 1:
+        raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads formats 1 and {FORMAT}")
+    old = dict(state)  # format 1: one fragment, no overlap, auto's measurements not kept
+    old.update(format=FORMAT, sync_fragments=1, sync_overlap=0, next_sync=[state["next_sync"]], outer=[state["outer"]])
+    old["warmup"] = state.get("warmup", 0)
+    old["residuals"] = {("diloco/0" if k == "diloco" else k): v for k, v in state["residuals"].items()}
+    old["timing"] = [[], 0.0, None]
+    return old
 
 
 def interval_for(sync_s: float, step_s: float, share: float | None = None) -> int:
@@ -488,8 +663,8 @@ def _config(config: Config | None, given: dict[str, Any]) -> Config:
     return Config.resolve(env={}, **{**dataclasses.asdict(base), **given}) if given else base
 
 
-def _sizes(params: list[torch.Tensor], buffers: list[torch.Tensor]) -> list[int]:
-    return [t.numel() for t in [*params, *buffers]]
+def _sizes(tensors: list[torch.Tensor]) -> list[int]:
+    return [t.numel() for t in tensors]
 
 
 def _timeout_s() -> float:
