@@ -18,6 +18,7 @@ later, with the steps taken meanwhile kept on top.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -37,7 +38,7 @@ from trainaccel.comm.codecs import ErrorFeedback, get_codec
 from trainaccel.comm.exchange import start_exchange
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
-from trainaccel.comm.topology import discover
+from trainaccel.comm.topology import hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, warn_once
 from trainaccel.observer import observer_of, watch_optimizer_steps
@@ -197,8 +198,8 @@ class DiLoCo:
         warn_once(
             f"sync_every={self.sync_every} changes what is trained, not only how fast: each worker steps on its own "
             "gradients between syncs. Measured on a short run (300 steps, 4 workers, AdamW: docs/BENCHMARKS.md) it "
-            "ended 1.3-1.6% above plain DDP's validation loss syncing every 2-4 steps after 30 warm-up steps "
-            "(sync_warmup), 3.5% every 4 without, 8% every 10; measure it on your task (trainaccel bench "
+            "ended 0.9-1.7% above plain DDP's validation loss syncing every 2-4 steps after 30 warm-up steps "
+            "(sync_warmup), 3.5-4.4% every 4 without, 8% every 10; measure it on your task (trainaccel bench "
             "quality) before relying on it"
         )
         streaming = ""
@@ -325,18 +326,8 @@ class DiLoCo:
 
     def _build_hierarchy(self, config: Config) -> HierarchicalReduce | None:
         """Full precision inside a node, the codec across nodes: as the per-step exchange's hierarchy decides."""
-        wanted = config.hierarchical == "on" or (
-            config.hierarchical == "auto" and dist.get_backend(self._engine_group) == "gloo"
-        )
-        if not wanted:
-            return None
-        topology = discover(self.group)
-        why_flat = topology.why_flat()
-        if why_flat is not None:
-            if config.hierarchical == "on" or not topology.uniform:
-                warn_once(f"hierarchical={config.hierarchical}: syncs reduce flat over all workers ({why_flat})")
-            return None
-        return HierarchicalReduce(topology, self._codec, self._feedback)
+        topology = hierarchy_for(self.group, config.hierarchical, True, "syncs reduce")
+        return HierarchicalReduce(topology, self._codec, self._feedback) if topology is not None else None
 
     def _begin(self, fragment: _Fragment, outer: bool) -> None:
         """Start averaging a fragment's change (anchor - parameters) on the communication thread.
@@ -658,8 +649,6 @@ def _config(config: Config | None, given: dict[str, Any]) -> Config:
     base = config or current_config()
     if base is None:
         return Config.resolve(**given)
-    import dataclasses
-
     return Config.resolve(env={}, **{**dataclasses.asdict(base), **given}) if given else base
 
 

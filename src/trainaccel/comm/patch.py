@@ -22,7 +22,7 @@ from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook
 from trainaccel.comm.powersgd import powersgd_state
 from trainaccel.comm.scheduler import engine_group
-from trainaccel.comm.topology import discover
+from trainaccel.comm.topology import discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
 from trainaccel.monitor import timeline
@@ -152,12 +152,9 @@ def build_state(
         explicit = config.compression_momentum if sparse and config.compression_momentum != "auto" else 0.0
         state.feedback = ErrorFeedback(explicit)  # under auto, the optimizer's momentum comes at the warm-up's end
         state.warmup_steps = config.compression_warmup if sparse else 0
-    wanted = config.hierarchical == "on" or (
-        config.hierarchical == "auto" and config.compression in DENSE_CODECS and dist.get_backend(state.group) == "gloo"
-    )
-    topology = discover(process_group) if wanted else None
-    why_flat = topology.why_flat() if topology is not None else None
-    if topology is not None and why_flat is None:
+    dense = config.compression in DENSE_CODECS
+    topology = hierarchy_for(process_group, config.hierarchical, dense, "reducing")
+    if topology is not None:
         intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale)
         intra_feedback = ErrorFeedback() if intra_codec.lossy else None
         state.hierarchy = HierarchicalReduce(topology, state.codec, state.feedback, intra_codec, intra_feedback)
@@ -166,8 +163,6 @@ def build_state(
             f"hierarchical allreduce: {topology.num_nodes} nodes x {topology.local_size} workers, "
             f"{config.compression} across nodes, {config.intra_compression} within"
         )
-    elif why_flat is not None and (config.hierarchical == "on" or not topology.uniform):
-        warn_once(f"hierarchical={config.hierarchical}: reducing flat over all workers ({why_flat})")
     if config.intra_compression != "none" and not state.hierarchical:
         warn_once(f"intra_compression={config.intra_compression} has no effect: the reduction is flat")
     return state

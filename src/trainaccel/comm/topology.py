@@ -8,6 +8,8 @@ import socket
 
 import torch.distributed as dist
 
+from trainaccel.context import warn_once
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -123,3 +125,24 @@ def node_group() -> dist.ProcessGroup | None:
         group = [dist.new_group(list(ranks)) for ranks in topology.nodes][topology.node_index]
     _node_groups[:] = [(world, group)]
     return group
+
+
+def hierarchy_for(
+    process_group: dist.ProcessGroup | None, hierarchical: str, eligible: bool, what: str
+) -> Topology | None:
+    """The topology to reduce over in two levels, or None for a flat reduction; call on every rank.
+
+    `hierarchical` is the option (on, auto, off); `auto` takes a hierarchy on Gloo when `eligible`. Asked for one
+    that cannot be built (`on`, or nodes of different sizes), it warns once: "`what` flat over all workers (why)".
+    """
+    group = dist.group.WORLD if process_group is None else process_group
+    wanted = hierarchical == "on" or (hierarchical == "auto" and eligible and dist.get_backend(group) == "gloo")
+    if not wanted:
+        return None
+    topology = discover(process_group)
+    why_flat = topology.why_flat()
+    if why_flat is None:
+        return topology
+    if hierarchical == "on" or not topology.uniform:
+        warn_once(f"hierarchical={hierarchical}: {what} flat over all workers ({why_flat})")
+    return None
