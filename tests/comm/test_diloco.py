@@ -347,3 +347,33 @@ def test_sync_warmup_keeps_ddps_exchange_for_its_steps_then_steps_alone():
         diloco.state_dict()
     )
     assert resumed.require_backward_grad_sync is False  # resumed past the warm-up: local steps at once
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_zero_code_amp_trains_the_autocast_model_under_sync_every():
+    """`--amp bf16` and `--sync-every` together: the inner steps are autocast's, the outer steps DiLoCo's."""
+    trainaccel.init(sync_every=2, amp="bf16", outer_optimizer="nesterov", start_process_group=False)
+    try:
+        model = DDP(_net())
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for i in range(1, 6):
+            _step(model, inner, i)
+        zero_code = [p.detach().clone() for p in model.parameters()]
+    finally:
+        trainaccel.shutdown()
+    by_hand = _net()
+    optimizer = torch.optim.AdamW(by_hand.parameters(), lr=0.01)
+    DiLoCo(by_hand, optimizer, sync_every=2, outer_optimizer="nesterov")
+    for i in range(1, 6):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = by_hand(x)
+        nn.functional.mse_loss(out, y).backward()
+        optimizer.step()
+    for got, want in zip(zero_code, by_hand.parameters()):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    plain = _by_hand(5, 2, "nesterov")  # the same without autocast: bf16's rounding is what the check sees
+    assert max(float((a - b).abs().max()) for a, b in zip(zero_code, plain)) > 1e-4
