@@ -100,7 +100,6 @@ class DiLoCo:
         "_module": "the module whose parameters are trained (a DDP model's module); None when given parameters",
         "_params": "its trainable parameters, deduplicated",
         "_fragments": "the parameters split for staggered syncs (one fragment without sync_fragments)",
-        "_started": "whether the anchors exist (the first inner step after the warm-up has begun)",
         "_codec": "the outer_compression codec of the parameter change",
         "_feedback": "its error feedback (lossy codecs), or None",
         "_hierarchy": "the HierarchicalReduce the change goes through (multi-node, hierarchical), or None",
@@ -143,8 +142,7 @@ class DiLoCo:
         self.index, _made = _made, _made + 1
         self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
         self.warmup, self.overlap = config.sync_warmup, config.sync_overlap
-        floor = max(config.sync_fragments, self.overlap, 1)  # auto: distinct steps per fragment, applied in time
-        self.interval = max(AUTO_FIRST, floor) if self.sync_every == "auto" else self.sync_every
+        self.interval = self.sync_every  # auto: set once the fragments exist
         if self.warmup and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 f"sync_warmup={self.warmup} needs a DDP model: its gradient exchange runs the warm-up steps"
@@ -179,8 +177,9 @@ class DiLoCo:
             _Fragment(i, params, buffers if i == config.sync_fragments - 1 else [])
             for i, params in enumerate(split_fragments(self._params, config.sync_fragments))
         ]
+        if self.sync_every == "auto":
+            self.interval = max(AUTO_FIRST, self._least_interval())
         self._schedule(self.warmup)
-        self._started = False
         self._outer_settings = (config.outer_lr, config.outer_momentum)
         self._inner = weakref.ref(optimizer) if optimizer is not None else None
         self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
@@ -210,6 +209,15 @@ class DiLoCo:
             f"{'few (chosen from measured times)' if self.sync_every == 'auto' else self.sync_every} optimizer steps "
             f"the replicas' change is averaged ({self.outer_optimizer} outer step){streaming}"
         )
+
+    @property
+    def _started(self) -> bool:
+        """Whether the anchors exist (the first inner step after the warm-up has begun)."""
+        return self._fragments[0].anchors is not None
+
+    def _least_interval(self) -> int:
+        """auto's lower bound: a step of its own per fragment, and each sync applied before the next one starts."""
+        return max(len(self._fragments), self.overlap, 1)
 
     @property
     def next_sync(self) -> int:
@@ -296,8 +304,7 @@ class DiLoCo:
         if previous is None:
             return
         took, step_s = previous.wait().tolist()
-        floor = max(len(self._fragments), self.overlap, 1)
-        chosen = max(floor, interval_for(took, step_s))
+        chosen = max(self._least_interval(), interval_for(took, step_s))
         if chosen != self.interval:
             self.interval = chosen
             info_once(
@@ -316,7 +323,6 @@ class DiLoCo:
         self._make_anchors()
 
     def _make_anchors(self) -> None:
-        self._started = True
         lr, momentum = self._outer_settings
         nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
         for fragment in self._fragments:
@@ -573,7 +579,6 @@ class DiLoCo:
         if self.steps >= self.warmup and self._ddp is not None:
             self._switch_off_exchange()  # resumed after the warm-up
         if state["anchors"] is None:
-            self._started = False
             for fragment in self._fragments:
                 fragment.anchors = fragment.outer = None
             return
