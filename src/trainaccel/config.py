@@ -106,16 +106,24 @@ def _number(
     return parse
 
 
-def _fp16_scale(name: str, raw: Any) -> float | str:
-    if isinstance(raw, str) and raw.strip().lower() == "dynamic":
-        return "dynamic"
-    try:
-        return _number(float, 0.0, float("inf"), low_open=True)(name, raw)
-    except ConfigError:
-        raise ConfigError(name, raw, _fp16_scale.accepted) from None  # type: ignore[attr-defined]
+def _keyword_or(keyword: str, number: Callable[[str, Any], Any], accepted: str) -> Callable[[str, Any], Any]:
+    """Parser for an option that takes `keyword` (case-insensitive) or what `number` parses."""
+
+    def parse(name: str, raw: Any) -> Any:
+        if isinstance(raw, str) and raw.strip().lower() == keyword:
+            return keyword
+        try:
+            return number(name, raw)
+        except ConfigError:
+            raise ConfigError(name, raw, accepted) from None
+
+    parse.accepted = accepted  # type: ignore[attr-defined]
+    return parse
 
 
-_fp16_scale.accepted = "dynamic, or a number > 0 (a fixed scale)"  # type: ignore[attr-defined]
+_fp16_scale = _keyword_or(
+    "dynamic", _number(float, 0.0, float("inf"), low_open=True), "dynamic, or a number > 0 (a fixed scale)"
+)
 
 
 def _ratio_or_unset(name: str, raw: Any) -> float | None:
@@ -130,28 +138,10 @@ def _ratio_or_unset(name: str, raw: Any) -> float | None:
 _ratio_or_unset.accepted = "a number in (0, 1], or empty (off)"  # type: ignore[attr-defined]
 
 
-def _momentum(name: str, raw: Any) -> float | str:
-    if isinstance(raw, str) and raw.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _number(float, 0.0, 1.0)(name, raw)
-    except ConfigError:
-        raise ConfigError(name, raw, _momentum.accepted) from None  # type: ignore[attr-defined]
+_momentum = _keyword_or("auto", _number(float, 0.0, 1.0), "auto, or a number in [0, 1]")
 
 
-_momentum.accepted = "auto, or a number in [0, 1]"  # type: ignore[attr-defined]
-
-
-def _steps_or_auto(name: str, raw: Any) -> int | str:
-    if isinstance(raw, str) and raw.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _number(int, 0, float("inf"))(name, raw)
-    except ConfigError:
-        raise ConfigError(name, raw, _steps_or_auto.accepted) from None  # type: ignore[attr-defined]
-
-
-_steps_or_auto.accepted = "an integer >= 0, or auto"  # type: ignore[attr-defined]
+_steps_or_auto = _keyword_or("auto", _number(int, 0, float("inf")), "an integer >= 0, or auto")
 
 
 def _amp_policy(name: str, raw: Any) -> str:
