@@ -17,6 +17,8 @@ USAGE = """trainaccel {run,info,demo,bench,pack} ...
          on real tasks, every arm side by side), `trainaccel bench train`
          (examples/s: baseline, torch's fp16/bf16 hooks, trainaccel, local arms),
          `trainaccel bench comm` (allreduce bandwidth over message sizes),
+         `trainaccel bench faults` (each fault on 2 emulated nodes: seconds
+         until every process on every node exited),
          `trainaccel bench data` (images/s of input pipelines),
          `trainaccel bench embedding` (lookups/s of embedding training steps)
   pack   image files into indexed TFRecord shards: `trainaccel pack make-list`,
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(demo)
     bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
-        dest="benchmark", metavar="{quality,train,comm,data,embedding}", required=True
+        dest="benchmark", metavar="{quality,train,comm,faults,data,embedding}", required=True
     )
     from trainaccel.bench.quality import add_arguments as add_quality_arguments
 
@@ -53,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_train_arguments(bench.add_parser("train", help="examples/s per worker: baseline vs trainaccel vs local"))
     add_comm_arguments(bench.add_parser("comm", help="allreduce bus bandwidth over message sizes, per codec"))
+    from trainaccel.bench.faults import add_arguments as add_faults_arguments
+
+    add_faults_arguments(
+        bench.add_parser("faults", help="each fault on 2 emulated nodes: seconds until every process exited")
+    )
     from trainaccel.bench.data import add_arguments as add_data_arguments
 
     add_data_arguments(
@@ -90,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.bench.train import main as train_main
 
         return train_main(args)
+    if args.command == "bench" and args.benchmark == "faults":
+        from trainaccel.bench.faults import main as faults_main
+
+        return faults_main(args)
     if args.command == "bench" and args.benchmark == "data":
         from trainaccel.bench.data import main as data_main
 

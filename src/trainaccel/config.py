@@ -16,6 +16,8 @@ ENV_PREFIX = "TRAINACCEL_"
 # TRAINACCEL_* variables that are not options (no keyword, no flag), by lower-case name: what each does.
 # Read each through `env_setting()`; `Config.unknown_env()` knows them, so they are not reported as typos.
 ENV_SETTINGS: dict[str, str] = {
+    "heartbeat_dir": "folder where each worker also writes its heartbeat for its node's `trainaccel run`, which ends "
+    "a worker that stopped beating (set by `trainaccel run`)",
     "elastic_dir": "folder of hvd.elastic's commit files (default: one per torchrun job in the temp dir); "
     "a relaunch with the same folder resumes from the newest commit",
 }
@@ -346,6 +348,12 @@ class Config:
         _number(float, 0.0, float("inf"), low_open=True),
         "seconds a collective may wait for its peers before the job fails naming the cause "
         "(torch's default is 1800); applies to process groups started without an explicit timeout",
+    )
+    hang_timeout: float | str = _option(
+        "auto",
+        _keyword_or("auto", _number(float, 0.0, float("inf")), "auto, or a number >= 0 (seconds; 0: off)"),
+        "seconds after which a rank that stopped training while its peers wait is named and the job ended on every "
+        "node; auto: max(60, 10 x the median step time), from the third step on",
     )
     log_level: str = _option(
         "info",

@@ -37,6 +37,7 @@ _optimizer_watchers: dict[str, list[Callable[..., Any]]] = {"before": [], "after
 _backward_watchers: dict[str, list[Callable[..., Any]]] = {"before": [], "after": []}
 _held: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
 _furthest = 0  # the furthest step any observer of this process began (read by the heartbeat thread)
+_forwards = 0  # forwards of observed models, training or not: a rank evaluating alone is busy, not hung
 
 
 class StepObserver:
@@ -68,15 +69,19 @@ class StepObserver:
         self._params = frozenset(id(p) for p in model.parameters())
         self._backward_due = False
         before_forward = functools.partial(_before_forward, weakref.ref(self))
+        count_forward = _count_forward
         if compiled:
             # Untraced: the counters and the features' collectives change every step, and a compiled frame
             # would be specialised (and recompiled) on them. Importing TorchDynamo only for this would slow
             # every start, so runs that do not compile skip it.
             before_forward = torch.compiler.disable(before_forward)
+            count_forward = torch.compiler.disable(count_forward)
         module = getattr(model, "module", model)
         self._undo: list[Callable[[], Any]] = [
             model.register_forward_pre_hook(before_forward, with_kwargs=True).remove,
             module.register_state_dict_post_hook(functools.partial(_after_state_dict, weakref.ref(self))).remove,
+            # On the wrapped module: it runs inside the DDP model's forwards and in evaluations that bypass it.
+            module.register_forward_pre_hook(count_forward).remove,
         ]
 
     def holds(self, parameter: torch.Tensor) -> bool:
@@ -140,10 +145,15 @@ def observer_of(model: torch.nn.Module) -> StepObserver | None:
 
 
 def _detach_all() -> None:
-    global _furthest
+    global _furthest, _forwards
     for observer in list(_observers):
         observer.detach()
-    _furthest = 0
+    _furthest = _forwards = 0
+
+
+def _count_forward(module: torch.nn.Module, args: tuple) -> None:
+    global _forwards
+    _forwards += 1
 
 
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -265,3 +275,8 @@ def watch_backward(
 def process_step() -> int:
     """The furthest step of this process's observed models (what heartbeats report)."""
     return _furthest
+
+
+def process_forwards() -> int:
+    """Forwards of this process's observed models so far, training or not (what heartbeats report)."""
+    return _forwards

@@ -55,15 +55,15 @@ def shutdown() -> None:
 
 
 def _explain_uncaught_failures() -> None:
-    """A collective failure that ends the script also says which peers were missing (once, until shutdown)."""
+    """An error that ends the script says which peers were missing and ends the other ranks (once, until shutdown)."""
     if not context.first_time("excepthook"):
         return
     previous = sys.excepthook
 
     def excepthook(kind: type, error: BaseException, tb: Any) -> None:
-        from trainaccel.comm.failfast import annotate
+        from trainaccel.comm.failfast import failed
 
-        annotate(error)
+        failed(error)
         previous(kind, error, tb)
 
     context.patch(sys, "excepthook", excepthook)

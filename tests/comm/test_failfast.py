@@ -64,11 +64,11 @@ def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
     # torch's default would have waited 30 minutes; the sleeping rank would have slept 2.
     assert hung.returncode != 0 and hung_s < 60, hung_out[-3000:]
     assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in hung_out, hung_out[-3000:]
-    named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, local rank 1\): "
+    named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, node 0, local rank 1\): "
     assert re.search(named + r"alive but at step 5, behind this rank's step 6", hung_out), hung_out[-3000:]
 
     assert all(p.returncode != 0 for p in nodes), node_outs[0][-3000:]
-    named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, local rank 0\): "
+    named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, node 1, local rank 0\): "
     assert re.search(named + r"no heartbeat for \d+ s, its process is gone or frozen", node_outs[0]), node_outs[0][
         -3000:
     ]

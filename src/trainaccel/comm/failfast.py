@@ -1,15 +1,22 @@
-"""Fail fast: a collective timeout well under torch's 30 minutes, and an error that says which peer is missing.
+"""Fail fast: a collective timeout well under torch's 30 minutes, hung ranks named, and every node's job ended.
 
-Every worker with trainaccel's hook writes a heartbeat (time and training step) to the job's
+Every worker with trainaccel's hook writes a heartbeat (time, training step, step time) to the job's
 store every few seconds. When a collective fails, `explain()` reads them: a peer whose heartbeat
-stopped is gone or frozen; a peer at an earlier step has not reached the collective.
+stopped is gone or frozen; a peer at an earlier step has not reached the collective. The same
+heartbeat thread ends its worker when the job is over elsewhere: a failure another rank published,
+the store gone for `STORE_LOST_S`, or a hung rank named by a judge (ranks 0 and world-1 read every
+heartbeat) once it stopped training for `hang_timeout` while its peers wait.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
+import os
+import statistics
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -19,16 +26,27 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainaccel import context
+from trainaccel.config import Config, env_setting
 from trainaccel.environment import worker_place
-from trainaccel.observer import process_step
+from trainaccel.observer import process_forwards, process_step
 
 log = logging.getLogger("trainaccel")
 
 HEARTBEAT_S = 2.0
-_PREFIX = "trainaccel/heartbeat/"
+STORE_LOST_S = 15.0  # no answer from the job's store this long: the job is over (its first node ended or is gone)
+HANG_MIN_S = 60.0  # hang_timeout=auto: at least this, and at least HANG_STEPS median step times
+HANG_STEPS = 10
+WARMUP_STEPS = 3  # hangs are judged once a rank began this many steps (the first ones compile, load, ...)
+EXIT_STATUS = 1
 
 _heartbeat: Heartbeat | None = None
 _reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> what to write
+_published = False  # this process published the job's failure
+
+
+def _prefix() -> str:
+    # Keyed by torchrun's attempt: a restarted job's store may still hold the last attempt's beats and failure.
+    return f"trainaccel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -45,34 +63,320 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 class Heartbeat:
-    """A daemon thread writing this worker's time, host, local rank and step to the store."""
+    """A daemon thread writing this worker's time, place, step and step time to the store, and ending the
+    worker when the job is over elsewhere (see the module's docstring)."""
 
-    def __init__(self, progress: Callable[[], int] = process_step, interval_s: float = HEARTBEAT_S):
+    def __init__(
+        self,
+        progress: Callable[[], int] = process_step,
+        interval_s: float = HEARTBEAT_S,
+        config: Config | None = None,
+    ):
+        config = config or context.current_config() or Config()
         self.rank, self.world = dist.get_rank(), dist.group.WORLD
-        self._store = distributed_c10d._get_default_store().clone()  # its own connection: no lock with the main thread
+        self.size = dist.get_world_size()
+        # The default store itself is held too: where a worker hosts it (rank 0 without torchrun's agent store),
+        # it then lives until this process leaves, not until the script destroys its group.
+        self._server = distributed_c10d._get_default_store()
+        self._store = self._server.clone()  # its own connection: no lock with the main thread
+        self._store.set_timeout(timedelta(seconds=max(1.0, interval_s)))  # a cut-off store must not stall beats
         self._progress, self._interval = progress, interval_s
+        self._collective_timeout = config.collective_timeout
+        self._hang_timeout = config.hang_timeout
         host, local_rank = worker_place()
-        self._place = {"host": host, "local_rank": local_rank}
+        self._place = {"host": host, "node": os.environ.get("GROUP_RANK"), "local_rank": local_rank}
+        self._key = _prefix()
         self._stop = threading.Event()
+        self._steps = StepClock()
+        self._answered = time.monotonic()  # when the store last answered
+        self._error: str | None = None  # the last beat's failure, if it failed
+        self._leaving_seen = False  # some rank ended cleanly: the job is winding down, the store may go
+        self._judge = HangJudge(config.hang_timeout) if self.rank in (0, self.size - 1) and self.size > 1 else None
+        self._local_file = _local_heartbeat_file()
         self._beat()
+        self._write_local()
         self._thread = threading.Thread(target=self._run, name="trainaccel-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
+        step = self._progress()
+        self._steps.observe(step, time.monotonic())
         extra = {name: value() for name, value in list(_reports.items())}
-        beat = {**self._place, "time": time.time(), "step": self._progress(), **extra}
-        self._store.set(f"{_PREFIX}{self.rank}", json.dumps(beat))
+        beat = {
+            **self._place,
+            "time": time.time(),
+            "step": step,
+            "forwards": process_forwards(),
+            "step_s": self._steps.median_s(),
+            **extra,
+        }
+        self._store.set(f"{self._key}heartbeat/{self.rank}", json.dumps(beat))
+        if self._store.check([self._key + "failure"]):
+            failure = json.loads(self._store.get(self._key + "failure"))
+            if failure["rank"] != self.rank:
+                end_process(f"ending rank {self.rank}: {describe_failure(failure)}")
+        if not self._leaving_seen and self._store.check([self._key + "leaving"]):
+            self._leaving_seen = True
+        if self._judge is not None and not self._leaving_seen:
+            beats = _read_heartbeats(self._store, self.size, self._key)
+            verdict = self._judge.observe(beats, time.monotonic(), self.size)
+            if verdict is not None:
+                end_process(f"ending rank {self.rank}: {verdict.text}", publish=verdict, store=self._store)
 
     def _run(self) -> None:
+        beating: threading.Thread | None = None
         while not self._stop.wait(self._interval):
-            try:
-                self._beat()
-            except Exception:  # the store went away: the job is ending
+            # A store cut off without a reset never answers a read: each beat runs on a thread of its own, and
+            # one still blocked is waited for, not joined by another.
+            if beating is None or not beating.is_alive():
+                beating = threading.Thread(target=self._beat_once, name="trainaccel-beat", daemon=True)
+                beating.start()
+                beating.join(timeout=self._interval)
+            silent = time.monotonic() - self._answered
+            if self._leaving_seen:
+                if silent > 2 * self._interval:
+                    return  # a rank ended cleanly: the store may go with it
+            elif silent >= STORE_LOST_S:
+                end_process(
+                    f"ending rank {self.rank}: the job's store ({_store_address()}) has not answered for "
+                    f"{silent:.0f} s ({self._error or 'no reply'}): the job ended on another node, or the first "
+                    "node is gone or cut off"
+                )
+            self._write_local()
+
+    def _beat_once(self) -> None:
+        try:
+            self._beat()
+            self._answered, self._error = time.monotonic(), None
+        except Exception as e:
+            self._error = type(e).__name__
+
+    def limit_s(self) -> float | None:
+        """How long this worker may go without a heartbeat before its node's launcher ends it; None: never."""
+        if self._hang_timeout == 0:
+            return None
+        deadline = hang_deadline(self._hang_timeout, [self._steps.median_s()]) if self._steps.warm() else None
+        return (deadline if deadline is not None else self._collective_timeout) + 3 * self._interval
+
+    def _write_local(self) -> None:
+        if self._local_file is None:
+            return
+        limit = self.limit_s()
+        try:
+            if limit is None:
+                os.unlink(self._local_file)
                 return
+            temporary = f"{self._local_file}.{os.getpid()}"
+            with open(temporary, "w") as f:
+                json.dump({"pid": os.getpid(), "rank": self.rank, "time": time.time(), "limit_s": limit}, f)
+            os.replace(temporary, self._local_file)  # whole or not at all: the launcher reads it any time
+        except OSError as e:
+            log.debug("heartbeat file %s not written (%s)", self._local_file, e)
+
+    def leave(self) -> None:
+        """Stop, telling the peers this rank ended cleanly (so the store going away is no failure)."""
+        self.stop()
+        try:
+            bounded(lambda: self._store.compare_set(self._key + "leaving", "", str(self.rank)), 2 * self._interval)
+        except Exception:
+            return
+        if self.size > 1 and _hosts_store(self.rank):
+            # The store goes with this process: wait a beat so every peer reads that the end is clean.
+            time.sleep(1.5 * self._interval)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2 * self._interval)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self._interval)
+        if self._local_file is not None:
+            try:
+                os.unlink(self._local_file)
+            except OSError:
+                pass
+
+
+class StepClock:
+    """This worker's time per training step: the median over its recent steps, seen at heartbeat resolution."""
+
+    def __init__(self, window: int = 20):
+        self._window = window
+        self._samples: list[float] = []
+        self._last: tuple[int, float] | None = None  # (step, when it was first seen)
+
+    def observe(self, step: int, now: float) -> None:
+        if self._last is None or step < self._last[0]:
+            self._last = (step, now)
+        elif step > self._last[0]:
+            if self._last[0] > 0:  # time before the first step is start-up, not a step
+                self._samples.append((now - self._last[1]) / (step - self._last[0]))
+                del self._samples[: -self._window]
+            self._last = (step, now)
+
+    def warm(self) -> bool:
+        return self._last is not None and self._last[0] >= WARMUP_STEPS and bool(self._samples)
+
+    def median_s(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
+
+
+def hang_deadline(hang_timeout: float | str, step_s: list[float | None]) -> float | None:
+    """Seconds without progress after which a rank is hung; None when off (0) or auto without step times yet."""
+    if hang_timeout == "auto":
+        known = [s for s in step_s if s is not None]
+        if not known:
+            return None
+        return max(HANG_MIN_S, HANG_STEPS * statistics.median(known))
+    return float(hang_timeout) or None
+
+
+class Verdict:
+    """A hung rank named by a judge: which, and one line saying why."""
+
+    __slots__ = ("rank", "text")
+
+    def __init__(self, rank: int, text: str):
+        self.rank, self.text = rank, text
+
+
+class HangJudge:
+    """Names a rank that stopped training while its peers wait, from successive reads of every heartbeat.
+
+    Clocks are the judge's own (monotonic): when each rank's heartbeat and the slowest step last changed.
+    A rank whose heartbeat stopped is stopped or stuck outside Python; a rank alive at the slowest step,
+    with others further, has not reached their collective. At half the deadline it is warned about.
+    """
+
+    def __init__(self, hang_timeout: float | str):
+        self.hang_timeout = hang_timeout
+        self._beats: dict[int, tuple[float, float]] = {}  # rank -> (its beat's time, when the judge saw it change)
+        self._busy: dict[int, tuple[int, float]] = {}  # rank -> (its forwards, when the judge saw them change)
+        self._slowest: tuple[int, float] | None = None  # (slowest step, when the judge saw it change)
+        self._warned: set[tuple[int, int, str]] = set()
+
+    def observe(self, beats: dict[int, dict], now: float, world: int | None = None) -> Verdict | None:
+        for rank, beat in beats.items():
+            if self._beats.get(rank, (None,))[0] != beat["time"]:
+                self._beats[rank] = (beat["time"], now)
+            if self._busy.get(rank, (None,))[0] != beat.get("forwards"):
+                self._busy[rank] = (beat.get("forwards"), now)
+        world = len(beats) if world is None else world
+        if len(beats) < world or min(b["step"] for b in beats.values()) < 1:
+            return None  # not every rank trains yet: collective_timeout alone applies
+        if max(b["step"] for b in beats.values()) < WARMUP_STEPS:
+            return None  # the first steps compile, load, warm caches: collective_timeout alone applies
+        deadline = hang_deadline(self.hang_timeout, [b.get("step_s") for b in beats.values()])
+        if deadline is None:
+            return None
+        steps = {rank: beat["step"] for rank, beat in beats.items()}
+        low, high = min(steps.values()), max(steps.values())
+        if self._slowest is None or self._slowest[0] != low:
+            self._slowest = (low, now)
+        ahead = next(rank for rank, step in sorted(steps.items()) if step == high)
+        candidates = []
+        for rank in sorted(beats):
+            silent = now - self._beats[rank][1]
+            if silent > deadline / 2:
+                why = f"no heartbeat for {silent:.0f} s: its process is gone, stopped, stuck outside Python, or cut off"
+                candidates.append((rank, silent, "frozen", why))
+            elif steps[rank] == low < high:
+                # A rank evaluating alone runs forwards: busy, not hung (collective_timeout still bounds the wait).
+                stuck = now - max(self._slowest[1], self._busy[rank][1])
+                if stuck > deadline / 2:
+                    why = f"alive but at step {low} for {stuck:.0f} s while rank {ahead} waits at step {high}"
+                    candidates.append((rank, stuck, "behind", why))
+        for rank, waited, kind, why in candidates:
+            where = f"rank {rank} ({place(beats[rank])})"
+            if waited > deadline:
+                return Verdict(rank, f"{where} is hung: {why} (hang_timeout {self._describe(deadline)})")
+            if (rank, steps[rank], kind) not in self._warned:
+                self._warned.add((rank, steps[rank], kind))
+                log.warning("%s may be hung: %s; it is ended at %.0f s (hang_timeout)", where, why, deadline)
+        return None
+
+    def _describe(self, deadline: float) -> str:
+        if self.hang_timeout == "auto":
+            return f"auto: {deadline:.0f} s"
+        return f"{deadline:g} s"
+
+
+def place(beat: dict) -> str:
+    """Where a heartbeat's rank runs: `host h, node n, local rank l`."""
+    node = f", node {beat['node']}" if beat.get("node") is not None else ""
+    return f"host {beat['host']}{node}, local rank {beat['local_rank']}"
+
+
+def publish_failure(reason: Verdict | BaseException | str, store: Any = None) -> None:
+    """Tell every rank's heartbeat that the job failed here first (the first failure published stays)."""
+    store = store if store is not None else (_heartbeat._store if _heartbeat is not None else None)
+    if store is None:
+        return
+    if isinstance(reason, Verdict):
+        text = reason.text
+    elif isinstance(reason, BaseException):
+        notes = [n for n in getattr(reason, "__notes__", ()) if n.startswith("trainaccel: ")]
+        text = f"{type(reason).__name__}: {str(reason).strip().splitlines()[0] if str(reason).strip() else ''}"
+        text += f" ({notes[0][len('trainaccel: ') :]})" if notes else ""
+    else:
+        text = reason
+    me = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    host, local_rank = worker_place()
+    failure = {
+        "rank": reason.rank if isinstance(reason, Verdict) else me,
+        "by": me,
+        "host": host,
+        "node": os.environ.get("GROUP_RANK"),
+        "local_rank": local_rank,
+        "reason": text[:1000],
+    }
+    if isinstance(reason, Verdict):
+        failure.update(host=None, local_rank=None, node=None)  # a verdict names its rank's place in the text
+    try:
+        bounded(lambda: store.compare_set(_prefix() + "failure", "", json.dumps(failure)), 2 * HEARTBEAT_S)
+    except Exception as e:  # the store is gone too: the peers find out from it
+        log.debug("failure not published (%s)", e)
+        return
+    global _published
+    _published = True
+
+
+def describe_failure(failure: dict) -> str:
+    if failure.get("host") is None:
+        return f"the job failed: {failure['reason']}"
+    return f"rank {failure['rank']} ({place(failure)}) failed first: {failure['reason']}"
+
+
+def end_process(line: str, publish: Verdict | None = None, store: Any = None) -> None:
+    """Print `trainaccel: line`, hand it to torchrun's failure report, publish `publish`, and exit now (the main
+    thread may be blocked in a collective that only its timeout would end)."""
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os.write(2, f"trainaccel: {line}\n".encode())  # unbuffered: nothing is flushed after os._exit
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            raise JobEnded(line)  # raised here, so that the report's traceback is this and not the store's error
+        except JobEnded as ended:
+            ErrorHandler().record_exception(ended)  # written only under torchrun (its error file)
+    except Exception:
+        pass
+    if publish is not None:
+        publish_failure(publish, store=store)
+        linger()
+    os._exit(EXIT_STATUS)
+
+
+def linger() -> None:
+    """After publishing a failure: wait a beat before exiting, which may take the store with it (the node's agent
+    ends), so that every peer reads the failure. Said and recorded first: the agent may end this process meanwhile."""
+    if _published:
+        time.sleep(1.5 * HEARTBEAT_S)
+
+
+class JobEnded(RuntimeError):
+    """Why trainaccel ended this worker (what torchrun's failure report shows)."""
 
 
 def start_heartbeat() -> None:
@@ -104,16 +408,41 @@ def heartbeats() -> dict[int, dict] | None:
     """Every worker's latest heartbeat by rank (read now, from the main thread); None without a heartbeat."""
     if _heartbeat is None:
         return None
-    return _read_heartbeats(distributed_c10d._get_default_store(), dist.get_world_size())
+    return _read_heartbeats(distributed_c10d._get_default_store(), dist.get_world_size(), _heartbeat._key)
 
 
-@atexit.register
 def stop_heartbeat() -> None:
-    """Stop the heartbeat thread before the interpreter finalizes (a thread in a store call would abort it)."""
-    global _heartbeat
+    """Stop the heartbeat thread (trainaccel.shutdown(), or a new group replacing the old one)."""
+    global _heartbeat, _published
+    _published = False
     if _heartbeat is not None:
         _heartbeat.stop()
         _heartbeat = None
+
+
+@atexit.register
+def leave() -> None:
+    """At exit: stop the heartbeat before the interpreter finalizes (a thread in a store call would abort it),
+    telling the peers this rank ended (after a failure, that failure is published first)."""
+    global _heartbeat
+    linger()
+    if _heartbeat is not None:
+        _heartbeat.leave()
+        _heartbeat = None
+
+
+def _local_heartbeat_file() -> str | None:
+    folder = env_setting("heartbeat_dir")
+    return os.path.join(folder, f"{os.environ.get('LOCAL_RANK', '0')}.json") if folder else None
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
+def _hosts_store(rank: int) -> bool:
+    # Under torchrun the agent hosts the store; otherwise (its restarts' fresh stores, mpirun) rank 0 does.
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 def looks_like_collective_failure(error: BaseException) -> bool:
@@ -133,9 +462,10 @@ def explain(error: BaseException) -> str | None:
     me, mine = _heartbeat.rank, _heartbeat._progress()
     try:
         world = dist.get_world_size()
-        before = _read_heartbeats(_heartbeat._store, world)
+        read = functools.partial(_read_heartbeats, _heartbeat._store, world, _heartbeat._key)
+        before = bounded(read, 2 * _heartbeat._interval)
         time.sleep(1.5 * _heartbeat._interval)
-        after = _read_heartbeats(_heartbeat._store, world)
+        after = bounded(read, 2 * _heartbeat._interval)
     except Exception as e:  # the store is gone too: the job's first host is down
         return f"a collective failed on rank {me}; the job's store cannot be reached either ({e})"
     missing = []
@@ -146,7 +476,7 @@ def explain(error: BaseException) -> str | None:
         if beat is None:
             missing.append(f"rank {rank}: no heartbeat ever (it never got as far as training)")
             continue
-        where = f"rank {rank} (host {beat['host']}, local rank {beat['local_rank']})"
+        where = f"rank {rank} ({place(beat)})"
         if before.get(rank, {}).get("time") == beat["time"]:
             missing.append(
                 f"{where}: no heartbeat for {time.time() - beat['time']:.0f} s, its process is gone or frozen"
@@ -170,6 +500,36 @@ def annotate(error: BaseException) -> None:
         error.add_note(f"trainaccel: {note}")
 
 
-def _read_heartbeats(store: dist.Store, world: int) -> dict[int, dict]:
-    keys = {rank: f"{_PREFIX}{rank}" for rank in range(world)}
+def bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """`fn()`, on a daemon thread waited for at most `timeout_s` (a store cut off without a reset never answers)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="trainaccel-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"the job's store ({_store_address()}) did not answer in {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def failed(error: BaseException) -> None:
+    """An exception is ending this worker: name the missing peers in it and tell every rank the job failed here."""
+    if isinstance(error, SystemExit) and error.code in (None, 0):
+        return
+    annotate(error)
+    publish_failure(error if not isinstance(error, SystemExit) else f"the script exited with status {error.code}")
+
+
+def _read_heartbeats(store: dist.Store, world: int, prefix: str) -> dict[int, dict]:
+    keys = {rank: f"{prefix}heartbeat/{rank}" for rank in range(world)}
+    if store.check(list(keys.values())):  # every rank beats: one round trip
+        return {rank: json.loads(value) for rank, value in zip(keys, store.multi_get(list(keys.values())))}
     return {rank: json.loads(store.get(key)) for rank, key in keys.items() if store.check([key])}

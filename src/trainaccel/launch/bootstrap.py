@@ -37,10 +37,12 @@ def _run(argv: list[str]) -> None:
             # As `python script.py` would: the script's folder first on the import path.
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except Exception as error:
-        from trainaccel.comm.failfast import annotate
+    except BaseException as error:
+        from trainaccel.comm.failfast import failed
 
-        annotate(error)  # the missing peers, shown with the traceback and in torchrun's failure report
+        # The missing peers, shown with the traceback and in torchrun's failure report; and every other
+        # rank's heartbeat ends its worker, naming this one, instead of leaving it to wait for a timeout.
+        failed(error)
         raise
 
 

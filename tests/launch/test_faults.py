@@ -1,0 +1,75 @@
+"""Faults on 2 emulated nodes (network namespaces), each node under its own `trainaccel run`: every process on
+every node is gone within the hang deadline plus 30 s, the error names the failing rank and node, and no
+namespace or process is left behind."""
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from trainaccel.bench.emulate import namespaces, why_not_emulated
+from trainaccel.bench.faults import FAULTS, run_fault
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(why_not_emulated() is not None, reason="needs root and iproute2 to build network namespaces"),
+]
+
+HANG_TIMEOUT_S = 5.0
+SLOW = {"hang_timeout": 12.0, "slow_s": 8.5}  # the straggler's step: past half of its deadline, short of all of it
+RANK1 = r"rank 1 \(host \S+, node 1, local rank 0\)"
+EXPECTED = {  # fault -> (what node 0 says first, what node 1 says first)
+    "hang": (RANK1 + r" is hung: alive but at step 29 for \d+ s while rank 0 waits at step 30", RANK1 + " is hung"),
+    "stop": (
+        RANK1 + r" is hung: no heartbeat for \d+ s: its process is gone, stopped, stuck outside Python, or cut off",
+        r"trainaccel run: ended local rank 0 \(rank 1, pid \d+\): no heartbeat for \d+ s",
+    ),
+    "kill": (RANK1, r"failed \(exitcode: -9\)"),
+    "raise": (
+        RANK1 + " failed first: RuntimeError: rank 1 failed on purpose at step 30",
+        "RuntimeError: rank 1 failed",
+    ),
+    "link-down": (
+        RANK1 + r" is hung: no heartbeat for \d+ s",
+        r"the job's store \(10\.213\.0\.1:29500\) has not answered for \d+ s",
+    ),
+    "master-dies": ("", r"the job's store"),
+}
+
+
+def _run(fault):
+    hang_timeout = SLOW["hang_timeout"] if fault == "slow" else HANG_TIMEOUT_S
+    prefix = f"tf{os.getpid() % 10000}{FAULTS.index(fault)}-"
+    result = run_fault(
+        fault, options=["--hang-timeout", str(hang_timeout)], slow_s=SLOW["slow_s"], limit_s=120, prefix=prefix
+    )
+    return result, hang_timeout, namespaces(prefix)
+
+
+@pytest.fixture(scope="module")
+def results():
+    # All at once: they mostly wait (for the deadline, the store's silence, the straggler).
+    with ThreadPoolExecutor(len(FAULTS)) as pool:
+        return dict(zip(FAULTS, pool.map(_run, FAULTS)))
+
+
+@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "slow"])
+def test_every_process_on_every_node_ends_and_the_error_names_the_rank(results, fault):
+    result, hang_timeout, left_namespaces = results[fault]
+    tail = "\n\n".join(out[-2500:] for out in result.outputs)
+    assert result.survivors == 0 and result.seconds is not None, tail
+    assert result.seconds <= hang_timeout + 30, (result.seconds, tail)
+    assert all(code != 0 for code in result.exit_codes), (result.exit_codes, tail)
+    for node, pattern in enumerate(EXPECTED[fault]):
+        assert re.search(pattern, result.first_lines[node]), (node, result.first_lines, tail)
+    assert left_namespaces == []
+
+
+def test_a_straggler_is_warned_about_not_ended(results):
+    result, hang_timeout, left_namespaces = results["slow"]
+    tail = "\n\n".join(out[-2500:] for out in result.outputs)
+    assert result.exit_codes == [0, 0] and result.survivors == 0, tail
+    assert re.search(RANK1 + r" may be hung: alive but at step 29 for \d+ s while rank 0 waits", tail), tail
+    assert "rank 1 done" in result.outputs[1]
+    assert left_namespaces == []
