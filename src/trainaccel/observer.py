@@ -48,6 +48,7 @@ class StepObserver:
         "step": "training steps begun, i.e. training forwards: the one step counter (heartbeats, monitors, timeline)",
         "optimizer_steps": "steps of optimizers holding the model's parameters (None once detached: unknown)",
         "entered": "perf_counter() when this forward's pre-hook began: monitors leave their own time out",
+        "compiled": "the DDP model is compiled: its forwards are counted here, not by a hook inside the graph",
         "comm": "the communication hook's state (CommState or Autotuner), None without trainaccel's hook",
         "amp": "zero-code AMP's state, None when the model is not autocast",
         "meter": "the StepMeter of metrics_every, or None",
@@ -63,26 +64,26 @@ class StepObserver:
 
     def __init__(self, model: torch.nn.Module, compiled: bool):
         self.model = weakref.ref(model)
-        self.step, self.optimizer_steps, self.entered = 0, 0, 0.0
+        self.step, self.optimizer_steps, self.entered, self.compiled = 0, 0, 0.0, compiled
         self.comm = self.amp = self.meter = self.stragglers = self.local_steps = self.diloco = None
         self._subscribers: dict[str, list[Callable[..., Any]]] = {event: [] for event in EVENTS}
         self._params = frozenset(id(p) for p in model.parameters())
         self._backward_due = False
         before_forward = functools.partial(_before_forward, weakref.ref(self))
-        count_forward = _count_forward
         if compiled:
             # Untraced: the counters and the features' collectives change every step, and a compiled frame
             # would be specialised (and recompiled) on them. Importing TorchDynamo only for this would slow
             # every start, so runs that do not compile skip it.
             before_forward = torch.compiler.disable(before_forward)
-            count_forward = torch.compiler.disable(count_forward)
         module = getattr(model, "module", model)
         self._undo: list[Callable[[], Any]] = [
             model.register_forward_pre_hook(before_forward, with_kwargs=True).remove,
             module.register_state_dict_post_hook(functools.partial(_after_state_dict, weakref.ref(self))).remove,
-            # On the wrapped module: it runs inside the DDP model's forwards and in evaluations that bypass it.
-            module.register_forward_pre_hook(count_forward).remove,
         ]
+        if not compiled:
+            # Forwards are counted on the wrapped module, which also runs in evaluations that bypass the DDP model;
+            # compiled, a hook there would split the graph, so the DDP model's own forwards are counted instead.
+            self._undo.append(module.register_forward_pre_hook(_count_forward).remove)
 
     def holds(self, parameter: torch.Tensor) -> bool:
         """Whether `parameter` is one of the model's."""
@@ -161,6 +162,8 @@ def _before_forward(ref: weakref.ref, module: torch.nn.Module, args: tuple, kwar
     if observer is None:
         return
     observer.entered = time.perf_counter()
+    if observer.compiled:
+        _count_forward(module, args)
     if module.training and torch.is_grad_enabled():
         global _furthest
         observer.step += 1

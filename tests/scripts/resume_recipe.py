@@ -1,9 +1,11 @@
 """Plain DDP training that follows the resume recipe in docs/operations.md (fail fast, resume from a checkpoint).
 
-Argv: OUT_DIR STEPS [--fail-at-step N] [--every K] [--every-rank]. Steps are numbered 1..STEPS.
+Argv: OUT_DIR STEPS [--fail-at-step N] [--fault raise|hang|kill|stop] [--every K] [--every-rank].
+Steps are numbered 1..STEPS.
 Rank 0 saves OUT_DIR/checkpoint.pt atomically after every K-th step (with --every-rank, each rank
 saves OUT_DIR/checkpoint-rank{r}.pt: under a lossy codec each rank's engine state is its own);
-at start every rank loads it if it exists and continues from the step after it. With --fail-at-step N, rank 1 raises at the start of step N
+at start every rank loads it if it exists and continues from the step after it. With --fail-at-step N,
+rank 1 meets --fault (raises by default; hangs in Python, is killed or stopped) at the start of step N
 in the first attempt only (TORCHELASTIC_RESTART_COUNT == "0"). At the end rank 0 writes
 OUT_DIR/final.pt: the final parameters, the checkpoint step it resumed from (0: none) and the steps
 this attempt ran.
@@ -11,6 +13,7 @@ this attempt ran.
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -23,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out_dir")
 parser.add_argument("steps", type=int)
 parser.add_argument("--fail-at-step", type=int)
+parser.add_argument("--fault", choices=["raise", "hang", "kill", "stop"], default="raise")
 parser.add_argument("--every", type=int, default=2, help="checkpoint every K steps")
 parser.add_argument("--every-rank", action="store_true", help="each rank saves and loads a checkpoint of its own")
 args = parser.parse_args()
@@ -65,6 +69,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 ran = []
 for step in range(start + 1, args.steps + 1):
     if rank == 1 and step == args.fail_at_step and attempt == 0:
+        print(f"rank 1 meets fault {args.fault} at step {step}", flush=True)
+        if args.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif args.fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif args.fault == "hang":
+            time.sleep(10**6)
         raise RuntimeError(f"rank 1 failed on purpose at step {step}")
     torch.manual_seed(1000 * step + rank)  # dropout's randomness keyed by step and rank too
     inputs, targets = batch(step)

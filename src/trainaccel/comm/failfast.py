@@ -113,9 +113,10 @@ class Heartbeat:
         self._store.set(f"{self._key}heartbeat/{self.rank}", json.dumps(beat))
         if self._store.check([self._key + "failure"]):
             failure = json.loads(self._store.get(self._key + "failure"))
-            if failure["rank"] != self.rank:
+            if failure["by"] != self.rank:
+                self._store.add(self._key + "failure-read", 1)  # its publisher waits for every peer to read it
                 end_process(f"ending rank {self.rank}: {describe_failure(failure)}")
-        if not self._leaving_seen and self._store.check([self._key + "leaving"]):
+        if not self._leaving_seen and self._store.check([self._key + "left"]):
             self._leaving_seen = True
         if self._judge is not None and not self._leaving_seen:
             beats = _read_heartbeats(self._store, self.size, self._key)
@@ -177,12 +178,13 @@ class Heartbeat:
         """Stop, telling the peers this rank ended cleanly (so the store going away is no failure)."""
         self.stop()
         try:
-            bounded(lambda: self._store.compare_set(self._key + "leaving", "", str(self.rank)), 2 * self._interval)
+            left = bounded(lambda: self._store.add(self._key + "left", 1), 2 * self._interval)
+            if self.size > 1 and _hosts_store(self.rank):
+                # The store goes with this process: until every peer has left too, or for a beat and a half,
+                # so that every peer reads that the end is clean.
+                _wait_for(lambda: left >= self.size or self._store.add(self._key + "left", 0) >= self.size)
         except Exception:
             return
-        if self.size > 1 and _hosts_store(self.rank):
-            # The store goes with this process: wait a beat so every peer reads that the end is clean.
-            time.sleep(1.5 * self._interval)
 
     def stop(self) -> None:
         self._stop.set()
@@ -369,10 +371,22 @@ def end_process(line: str, publish: Verdict | None = None, store: Any = None) ->
 
 
 def linger() -> None:
-    """After publishing a failure: wait a beat before exiting, which may take the store with it (the node's agent
-    ends), so that every peer reads the failure. Said and recorded first: the agent may end this process meanwhile."""
-    if _published:
-        time.sleep(1.5 * HEARTBEAT_S)
+    """After publishing a failure: before exiting, which may take the store with it (the node's agent ends), wait
+    until every peer has read the failure, or for a beat and a half. Said and recorded first: the agent may end
+    this process meanwhile."""
+    if not _published or _heartbeat is None:
+        return
+    store, key, peers = _heartbeat._store, _heartbeat._key + "failure-read", _heartbeat.size - 1
+    try:
+        _wait_for(lambda: store.add(key, 0) >= peers)
+    except Exception:
+        return
+
+
+def _wait_for(done: Callable[[], bool], timeout_s: float = 1.5 * HEARTBEAT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not bounded(done, timeout_s):
+        time.sleep(0.05)
 
 
 class JobEnded(RuntimeError):
