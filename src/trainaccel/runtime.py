@@ -30,6 +30,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     from trainaccel.comm.failfast import set_collective_timeout
 
     set_collective_timeout(config.collective_timeout)
+    _key_groups_by_attempt()
     _explain_uncaught_failures()
     if start_process_group:
         _start_process_group(mapped)
@@ -52,6 +53,32 @@ def shutdown() -> None:
     Models built before keep DDP's communication hook (DDP cannot unregister one) and lose the rest.
     """
     context.undo_all()
+
+
+def _key_groups_by_attempt() -> None:
+    """Under torchrun, the keys of a script's own env:// group carry the attempt (until shutdown).
+
+    A static rendezvous (`--master-addr`, several nodes) gives every attempt the agent's one store, and
+    torch keys the group by nothing that changes between attempts: a restarted group would read the last
+    attempt's Gloo addresses and fail (`Connection refused`) or hang.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or not context.first_time("attempt-keyed env://"):
+        return
+    import importlib
+
+    from torch.distributed import PrefixStore
+
+    # The module: `torch.distributed.rendezvous` as an attribute is the function of the same name.
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers["env"]
+
+    def env_handler(url: str, **kwargs: Any) -> Any:
+        for store, rank, world in original(url, **kwargs):
+            yield PrefixStore(f"trainaccel/attempt{attempt}/", store), rank, world
+
+    handlers["env"] = env_handler
+    context.on_undo("attempt-keyed env://", lambda: handlers.__setitem__("env", original))
 
 
 def _explain_uncaught_failures() -> None:

@@ -1,15 +1,17 @@
 """An elastic Horovod training script; only the imports differ from Horovod.
 
-Usage: horovod_elastic.py OUT_DIR TAG [--crash-step N] [--crash-kind runtime|internal] [--epochs E]
+Usage: horovod_elastic.py OUT_DIR TAG [--crash-step N] [--crash-kind runtime|internal|lose-node] [--epochs E]
 
 Each worker appends JSON events to OUT_DIR/TAG-<restart>-rank<rank>.jsonl: its start point,
 every batch's dataset indices (before the commit that makes it count) and reset callbacks.
-Rank 1 of the first incarnation fails at step --crash-step. Rank 0 saves the final parameters.
+Rank 1 of the first incarnation fails at step --crash-step (lose-node: its torchrun agent and it are killed,
+as when its node goes away). Rank 0 saves the final parameters.
 """
 
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
 parser.add_argument("tag")
 parser.add_argument("--crash-step", type=int, default=-1)
-parser.add_argument("--crash-kind", choices=["runtime", "internal"], default="runtime")
+parser.add_argument("--crash-kind", choices=["runtime", "internal", "lose-node"], default="runtime")
 parser.add_argument("--epochs", type=int, default=2)
 args = parser.parse_args()
 
@@ -59,6 +61,9 @@ def train(state: elastic.TorchState) -> None:
     for epoch in range(state.epoch, args.epochs):
         for i, (idx, xb, yb) in enumerate(loader):
             if state.step == args.crash_step and restart == "0" and hvd.rank() == 1:
+                if args.crash_kind == "lose-node":
+                    os.kill(os.getppid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise (HorovodInternalError if args.crash_kind == "internal" else RuntimeError)("injected failure")
             optimizer.zero_grad()
             F.mse_loss(model(xb), yb).backward()

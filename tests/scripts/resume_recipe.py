@@ -5,7 +5,8 @@ Steps are numbered 1..STEPS.
 Rank 0 saves OUT_DIR/checkpoint.pt atomically after every K-th step (with --every-rank, each rank
 saves OUT_DIR/checkpoint-rank{r}.pt: under a lossy codec each rank's engine state is its own);
 at start every rank loads it if it exists and continues from the step after it. With --fail-at-step N,
-rank 1 meets --fault (raises by default; hangs in Python, is killed or stopped) at the start of step N
+rank 1 meets --fault (raises by default; hangs in Python, is killed or stopped, or its node is lost: its
+agent killed with it) at the start of step N
 in the first attempt only (TORCHELASTIC_RESTART_COUNT == "0"). At the end rank 0 writes
 OUT_DIR/final.pt: the final parameters, the checkpoint step it resumed from (0: none) and the steps
 this attempt ran.
@@ -26,7 +27,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out_dir")
 parser.add_argument("steps", type=int)
 parser.add_argument("--fail-at-step", type=int)
-parser.add_argument("--fault", choices=["raise", "hang", "kill", "stop"], default="raise")
+parser.add_argument("--fault", choices=["raise", "hang", "kill", "stop", "lose-node"], default="raise")
+parser.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps (a step's compute)")
 parser.add_argument("--every", type=int, default=2, help="checkpoint every K steps")
 parser.add_argument("--every-rank", action="store_true", help="each rank saves and loads a checkpoint of its own")
 args = parser.parse_args()
@@ -70,6 +72,9 @@ ran = []
 for step in range(start + 1, args.steps + 1):
     if rank == 1 and step == args.fail_at_step and attempt == 0:
         print(f"rank 1 meets fault {args.fault} at step {step}", flush=True)
+        if args.fault == "lose-node":  # its node goes away: torchrun's agent and this worker at once
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif args.fault == "stop":
@@ -84,6 +89,7 @@ for step in range(start + 1, args.steps + 1):
     loss.backward()
     optimizer.step()
     ran.append(step)
+    time.sleep(args.step_s)
     if step % args.every == 0:
         if rank == 0 or args.every_rank:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
@@ -92,7 +98,7 @@ for step in range(start + 1, args.steps + 1):
         dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
 
 if rank == 0:
-    result = {"params": model.state_dict(), "resumed_from": start, "ran": ran, "attempt": attempt}
+    result = {"params": model.state_dict(), "resumed_from": start, "ran": ran, "attempt": attempt, "world": world}
     torch.save(result, os.path.join(args.out_dir, "final.pt.tmp"))
     os.replace(os.path.join(args.out_dir, "final.pt.tmp"), os.path.join(args.out_dir, "final.pt"))
 # Let Gloo's threads finish with the last collectives before the group is torn down (torch 2.13 on
