@@ -53,3 +53,28 @@ def test_init_rejects_bad_values_without_patching(clean):
     ):
         trainaccel.init(compression="powersgd", powersgd_rank=0)
     assert DistributedDataParallel.__init__ is original
+
+
+def test_under_torchrun_an_env_group_is_keyed_by_the_attempt_until_shutdown(clean, monkeypatch):
+    import importlib
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from conftest import free_port
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers["env"]
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+    env = {"TORCHELASTIC_RESTART_COUNT": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in {**env, "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    trainaccel.init(start_process_group=False)
+    assert handlers["env"] is not original
+    store, rank, world = next(dist.rendezvous("env://"))
+    store.set("addresses", "attempt 3's")
+    # A restarted group's keys do not meet the last attempt's: they live under the attempt's prefix.
+    assert server.check(["trainaccel/attempt3/addresses"]) and not server.check(["addresses"])
+    trainaccel.shutdown()
+    assert handlers["env"] is original

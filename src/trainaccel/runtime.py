@@ -75,7 +75,7 @@ def _key_groups_by_attempt() -> None:
 
     def env_handler(url: str, **kwargs: Any) -> Any:
         for store, rank, world in original(url, **kwargs):
-            yield PrefixStore(f"trainaccel/attempt{attempt}/", store), rank, world
+            yield PrefixStore(f"trainaccel/attempt{attempt}", store), rank, world
 
     handlers["env"] = env_handler
     context.on_undo("attempt-keyed env://", lambda: handlers.__setitem__("env", original))

@@ -32,9 +32,12 @@ EXPECTED = {  # fault -> (what node 0 says first, what node 1 says first)
     ),
     "link-down": (
         RANK1 + r" is hung: no heartbeat for \d+ s",
-        r"the job's store \(10\.213\.0\.1:29500\) has not answered for \d+ s",
+        r"the job's store \(10\.213\.0\.1:29500\) has not answered for \d+ s .*the store's node \(10\.213\.0\.1\)",
     ),
-    "master-dies": ("", r"the job's store"),
+    "master-dies": (
+        "",
+        r"the job's store \(10\.213\.0\.1:29500\) cannot be reached either: its node \(10\.213\.0\.1\)",
+    ),
 }
 
 

@@ -140,8 +140,8 @@ class Heartbeat:
             elif silent >= STORE_LOST_S:
                 end_process(
                     f"ending rank {self.rank}: the job's store ({_store_address()}) has not answered for "
-                    f"{silent:.0f} s ({self._error or 'no reply'}): the job ended on another node, or the first "
-                    "node is gone or cut off"
+                    f"{silent:.0f} s ({self._error or 'no reply'}): the job ended on another node, or the store's "
+                    f"node ({_store_host()}) is gone or cut off"
                 )
             self._write_local()
 
@@ -454,6 +454,10 @@ def _store_address() -> str:
     return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
+def _store_host() -> str:
+    return os.environ.get("MASTER_ADDR", "?")
+
+
 def _hosts_store(rank: int) -> bool:
     # Under torchrun the agent hosts the store; otherwise (its restarts' fresh stores, mpirun) rank 0 does.
     return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
@@ -481,7 +485,10 @@ def explain(error: BaseException) -> str | None:
         time.sleep(1.5 * _heartbeat._interval)
         after = bounded(read, 2 * _heartbeat._interval)
     except Exception as e:  # the store is gone too: the job's first host is down
-        return f"a collective failed on rank {me}; the job's store cannot be reached either ({e})"
+        return (
+            f"a collective failed on rank {me}; the job's store ({_store_address()}) cannot be reached either: "
+            f"its node ({_store_host()}) is gone or cut off ({e})"
+        )
     missing = []
     for rank in range(world):
         beat = after.get(rank)
