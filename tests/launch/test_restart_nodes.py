@@ -2,6 +2,7 @@
 the last checkpoint and ends with the uninterrupted run's parameters; with torchrun's elastic `--nnodes 1:2`,
 losing a node continues at the smaller size from the last checkpoint."""
 
+import functools
 import json
 import os
 import subprocess
@@ -29,7 +30,7 @@ def _final(out) -> dict:
 FAULTS = ["raise", "kill", "hang", "stop"]
 
 
-def _job(out, fault):
+def _job(out, fault=None):
     """Run the recipe on 2 nodes (with `fault` and a restart, or neither); returns (final.pt, outputs)."""
     args = [out, STEPS, *RECIPE, *(["--fail-at-step", FAIL_AT, "--fault", fault] if fault else [])]
     launcher = [*LAUNCHER, *(["--max-restarts", 1] if fault else [])]
@@ -39,18 +40,38 @@ def _job(out, fault):
     return _final(out), outputs
 
 
+CRASH_COMMIT = 7  # hvd.elastic: the commit at which node 1 is lost
+
+
+def _shrink_recipe(out):
+    args = [STEPS, *RECIPE, "--fail-at-step", FAIL_AT, "--fault", "lose-node"]
+    return _elastic_nodes(SCRIPTS / "resume_recipe.py", out, *args)
+
+
+def _shrink_hvd(out):
+    env = {"TRAINACCEL_ELASTIC_DIR": str(out / "state")}
+    args = ["shrink", "--crash-step", CRASH_COMMIT, "--crash-kind", "lose-node", "--epochs", 1]
+    return _elastic_nodes(SCRIPTS / "horovod_elastic.py", out, *args, env=env)
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    # All at once: the jobs mostly wait (steps of 0.3 s, the hang deadline, the watchdog).
-    runs = [None, *FAULTS]
+    # All at once: the jobs mostly wait (steps of 0.3 s, the hang deadline, the watchdog, the rendezvous).
+    runs = {
+        **{fault: functools.partial(_job, fault=fault) for fault in [None, *FAULTS]},
+        "shrink-recipe": _shrink_recipe,
+        "shrink-hvd": _shrink_hvd,
+    }
     with ThreadPoolExecutor(len(runs)) as pool:
-        results = pool.map(lambda fault: _job(tmp_path_factory.mktemp(fault or "uninterrupted"), fault), runs)
-        return dict(zip(runs, results))
+        futures = {
+            name: pool.submit(job, tmp_path_factory.mktemp(name or "uninterrupted")) for name, job in runs.items()
+        }
+        return {name: future for name, future in futures.items()}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_every_node_restarts_from_the_last_checkpoint_with_the_uninterrupted_result(jobs, fault):
-    (reference, _), (resumed, outputs) = jobs[None], jobs[fault]
+    (reference, _), (resumed, outputs) = jobs[None].result(), jobs[fault].result()
     assert f"rank 1 meets fault {fault} at step {FAIL_AT}" in outputs[1], outputs[1][-4000:]
     assert resumed["attempt"] == 1 and resumed["resumed_from"] == LAST_CHECKPOINT, outputs[0][-4000:]
     assert resumed["ran"] == list(range(LAST_CHECKPOINT + 1, STEPS + 1))
@@ -59,7 +80,7 @@ def test_every_node_restarts_from_the_last_checkpoint_with_the_uninterrupted_res
         assert torch.equal(resumed["params"][name], value), name
 
 
-def _elastic_nodes(script, *args, env=None) -> list[subprocess.CompletedProcess]:
+def _elastic_nodes(script, out, *args, env=None) -> tuple:
     """`script` on 2 loopback nodes under torchrun's elastic `--nnodes 1:2`; node 0 hosts the rendezvous."""
     port = free_port()
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "shrink"]
@@ -69,7 +90,7 @@ def _elastic_nodes(script, *args, env=None) -> list[subprocess.CompletedProcess]
         command = [*LAUNCHER, "--nnodes", "1:2", "--nproc-per-node", 1, "--max-restarts", 1, *rendezvous]
         procs.append(
             subprocess.Popen(
-                [str(c) for c in [*command, "--rdzv-conf", conf, script, *args]],
+                [str(c) for c in [*command, "--rdzv-conf", conf, script, out, *args]],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -81,28 +102,31 @@ def _elastic_nodes(script, *args, env=None) -> list[subprocess.CompletedProcess]
     finally:
         for p in procs:
             p.kill()
-    assert procs[0].returncode == 0, outputs[0][-4000:]
-    assert procs[1].returncode == -9, outputs[1][-4000:]  # the lost node's launcher
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
+    return out, [subprocess.CompletedProcess(p.args, p.returncode, output, "") for p, output in zip(procs, outputs)]
 
 
-def test_losing_a_node_under_elastic_nnodes_continues_at_the_smaller_size_from_the_last_checkpoint(tmp_path):
-    args = [tmp_path, STEPS, *RECIPE, "--fail-at-step", FAIL_AT, "--fault", "lose-node"]
-    done = _elastic_nodes(SCRIPTS / "resume_recipe.py", *args)
-    resumed = _final(tmp_path)
-    assert resumed["world"] == 1 and resumed["attempt"] == 1, done[0].stdout[-4000:]
+def _survived(done) -> str:
+    """Node 0 ended its job; node 1's launcher was killed with its worker. Returns node 0's output."""
+    assert done[0].returncode == 0, done[0].stdout[-4000:]
+    assert done[1].returncode == -9, done[1].stdout[-4000:]
+    return done[0].stdout
+
+
+def test_losing_a_node_under_elastic_nnodes_continues_at_the_smaller_size_from_the_last_checkpoint(jobs):
+    out, done = jobs["shrink-recipe"].result()
+    output = _survived(done)
+    resumed = _final(out)
+    assert resumed["world"] == 1 and resumed["attempt"] == 1, output[-4000:]
     assert resumed["resumed_from"] == LAST_CHECKPOINT
     assert resumed["ran"] == list(range(LAST_CHECKPOINT + 1, STEPS + 1))
 
 
-def test_losing_a_node_under_hvd_elastic_continues_at_the_smaller_size_from_the_last_commit(tmp_path):
-    crash_step = 7
-    env = {"TRAINACCEL_ELASTIC_DIR": str(tmp_path / "state")}
-    args = [tmp_path, "shrink", "--crash-step", crash_step, "--crash-kind", "lose-node", "--epochs", 1]
-    done = _elastic_nodes(SCRIPTS / "horovod_elastic.py", *args, env=env)
-    output = done[0].stdout
-    assert f"hvd.elastic: resumed from commit {crash_step} (world size 2 -> 1" in output, output[-4000:]
-    events = [json.loads(line) for line in (tmp_path / "shrink-1-rank0.jsonl").read_text().splitlines()]
+def test_losing_a_node_under_hvd_elastic_continues_at_the_smaller_size_from_the_last_commit(jobs):
+    out, done = jobs["shrink-hvd"].result()
+    output = _survived(done)
+    assert f"hvd.elastic: resumed from commit {CRASH_COMMIT} (world size 2 -> 1" in output, output[-4000:]
+    events = [json.loads(line) for line in (out / "shrink-1-rank0.jsonl").read_text().splitlines()]
     # The reset callbacks ran (the world size changed), then training went on from the commit, alone.
-    assert events[:2] == [{"event": "reset", "size": 1}, {"event": "start", "epoch": 0, "step": crash_step, "size": 1}]
-    assert (tmp_path / "shrink-params.pt").exists()  # it trained to the end, alone
+    start = {"event": "start", "epoch": 0, "step": CRASH_COMMIT, "size": 1}
+    assert events[:2] == [{"event": "reset", "size": 1}, start]
+    assert (out / "shrink-params.pt").exists()  # it trained to the end, alone
