@@ -1,4 +1,7 @@
-"""Host lists (`-np 16 -H host1:8,host2:8`, `--hostfile`): one torchrun per host, rendezvous on the first."""
+"""Host lists (`-np 16 -H host1:8,host2:8`, `--hostfile`): one `trainaccel run` per host, rendezvous on the first.
+
+Each host runs `python -m trainaccel.launch` (torchrun underneath), so every node has the launcher's watchdog.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
-from trainaccel.launch.torchrun import TORCHRUN, LaunchError, script_argv, torchrun_flags
+from trainaccel.launch.torchrun import LaunchError, torchrun_flags
 
 SSH = ["ssh", "-o", "BatchMode=yes"]
 DEFAULT_MASTER_PORT = 29500
@@ -34,7 +37,7 @@ class Host:
 
 @dataclasses.dataclass(frozen=True)
 class HostCommand:
-    """The torchrun that one host runs."""
+    """The `trainaccel run` that one host runs."""
 
     host: str
     node_rank: int
@@ -166,15 +169,16 @@ def plan_hosts(args: argparse.Namespace, env: dict[str, str]) -> list[HostComman
             nproc_per_node=host.slots,
             master_addr=master_addr,
             master_port=master_port,
-            module=False,
         )
-        argv = [*TORCHRUN, *flags, *script_argv(args)]
+        # Each host's own `trainaccel run`: torchrun underneath, the bootstrap in each worker, and the watchdog
+        # that ends a worker which cannot run Python (options travel as TRAINACCEL_* in the environment).
+        argv = [sys.executable, "-m", "trainaccel.launch", *flags, args.training_script, *args.training_script_args]
         commands.append(HostCommand(host.name, node_rank, host.slots, dict(env), argv, is_here))
     return commands
 
 
 def run_plan(commands: list[HostCommand]) -> int:
-    """Run every host's torchrun; the first failure stops the rest and is the exit code."""
+    """Run every host's `trainaccel run`; the first failure stops the rest and is the exit code."""
     from trainaccel.launch.local import run_together
 
     envs = [{**os.environ, **c.env} if c.local else None for c in commands]
