@@ -79,7 +79,6 @@ class Heartbeat:
         # it then lives until this process leaves, not until the script destroys its group.
         self._server = distributed_c10d._get_default_store()
         self._store = self._server.clone()  # its own connection: no lock with the main thread
-        self._store.set_timeout(timedelta(seconds=max(1.0, interval_s)))  # a cut-off store must not stall beats
         self._progress, self._interval = progress, interval_s
         self._collective_timeout = config.collective_timeout
         self._hang_timeout = config.hang_timeout
@@ -134,10 +133,9 @@ class Heartbeat:
                 beating.start()
                 beating.join(timeout=self._interval)
             silent = time.monotonic() - self._answered
-            if self._leaving_seen:
-                if silent > 2 * self._interval:
-                    return  # a rank ended cleanly: the store may go with it
-            elif silent >= STORE_LOST_S:
+            # Once a rank ended cleanly the store may go with it: silence is no failure then. The local heartbeat
+            # goes on, so that the launcher's watchdog still sees this worker alive.
+            if not self._leaving_seen and silent >= STORE_LOST_S:
                 end_process(
                     f"ending rank {self.rank}: the job's store ({_store_address()}) has not answered for "
                     f"{silent:.0f} s ({self._error or 'no reply'}): the job ended on another node, or the store's "
