@@ -241,3 +241,23 @@ def trainaccel_messages() -> list[str]:
     logging.getLogger("trainaccel").addHandler(handler)
     yield seen
     logging.getLogger("trainaccel").removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory):
+    """nginx serving a fresh folder (`.root`) at `.url`, for the tests of one module."""
+    from servers import Nginx
+
+    server = Nginx(tmp_path_factory.mktemp("www"), tmp_path_factory.mktemp("nginx"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server with bucket `.bucket`; `.options` for fsspec, `.env` for commands."""
+    from servers import MotoS3
+
+    server = MotoS3()
+    yield server
+    server.close()

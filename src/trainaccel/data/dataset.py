@@ -1,9 +1,10 @@
-"""`RecordDataset`: a map-style dataset over packed shards, or over TFRecord shards from other tools."""
+"""`RecordDataset`: a map-style dataset over packed shards or TFRecord shards from other tools, local or remote."""
 
 from __future__ import annotations
 
 import bisect
 import glob
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,8 @@ import torch
 
 from trainaccel.data.decode import decode_image
 from trainaccel.data.example import ImageRecord
-from trainaccel.data.records import RecordFile
+from trainaccel.data.records import RecordFile, parse_index, scan_index
+from trainaccel.data.storage import BlockCache, RemoteSource, Store, is_url, join, local_path, parse_bytes
 
 OUTPUTS = ("pil", "tensor", "bytes")
 
@@ -23,11 +25,18 @@ class RecordDataset(torch.utils.data.Dataset):
     """`(image, label)` pairs from shards, with random access through each shard's index.
 
     `path` is a pack's folder or manifest.json, a shard, or a glob of shards (their `.index`
-    files are used, or the index is built by scanning). `output`: "pil" (RGB PIL image), "tensor"
-    (uint8 CHW, channels-last in memory) or "bytes" (as stored). JPEGs decode with libjpeg-turbo
-    (simplejpeg), other formats with Pillow. `decode_size=(w, h)` lets JPEG decoding scale down
-    by 2, 4 or 8 in the DCT domain to no less than that size. CRCs are checked on every read
-    unless `verify=False`.
+    files are used, or the index is built by scanning); a local path or a URL that fsspec opens
+    (`s3://bucket/pack`, `gs://...`, `https://host/pack`). `output`: "pil" (RGB PIL image),
+    "tensor" (uint8 CHW, channels-last in memory) or "bytes" (as stored). JPEGs decode with
+    libjpeg-turbo (simplejpeg), other formats with Pillow. `decode_size=(w, h)` lets JPEG decoding
+    scale down by 2, 4 or 8 in the DCT domain to no less than that size. CRCs are checked on every
+    read unless `verify=False`.
+
+    Remote shards are read in blocks of whole records of about `block_size` bytes, `prefetch`
+    blocks ahead, through a folder the loader workers share: `cache_dir` (kept, up to
+    `cache_limit`, evicting whole shards) or a temporary one. `storage_options` go to fsspec
+    (credentials, endpoint). Each remote call is bounded by `timeout` seconds and retried
+    `retries` times with backoff.
     """
 
     def __init__(
@@ -38,6 +47,14 @@ class RecordDataset(torch.utils.data.Dataset):
         output: str = "pil",
         decode_size: int | tuple[int, int] | None = None,
         verify: bool = True,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | Path | None = None,
+        cache_limit: int | str = "1GB",
+        block_size: int | str = "8MB",
+        prefetch: int = 2,
+        retries: int = 5,
+        timeout: float = 60.0,
     ):
         if output not in OUTPUTS:
             raise ValueError(f"invalid output={output!r}; accepted: {', '.join(OUTPUTS)}")
@@ -48,8 +65,15 @@ class RecordDataset(torch.utils.data.Dataset):
         self.transform, self.target_transform = transform, target_transform
         self.output, self.decode_size = output, decode_size
         self.labels: dict[str, int] = {}
-        shards = self._find_shards(Path(path))
-        self.shards = [RecordFile(s, verify=verify) for s in shards]
+        self.store: Store | None = None
+        self.cache: BlockCache | None = None
+        if is_url(path):
+            block = parse_bytes(block_size, "block_size")
+            self.store = Store(str(path), storage_options, retries, timeout)
+            self.cache = BlockCache(cache_dir, cache_limit, prefetch)
+            self.shards = self._remote_shards(str(path), block, verify)
+        else:
+            self.shards = [RecordFile(s, verify=verify) for s in self._find_shards(local_path(path))]
         self._ends = np.cumsum([len(s) for s in self.shards]).tolist()
 
     def _find_shards(self, path: Path) -> list[Path]:
@@ -67,6 +91,62 @@ class RecordDataset(torch.utils.data.Dataset):
         if not shards:
             raise FileNotFoundError(f"no shards match {path}")
         return shards
+
+    def _remote_shards(self, url: str, block_size: int, verify: bool) -> list[RecordFile]:
+        store = self.store
+        assert store is not None and self.cache is not None
+        tags: dict[str, str] = {}
+        if url.endswith("manifest.json") or not glob.has_magic(url):
+            manifest = url if url.endswith("manifest.json") else join(url, "manifest.json")
+            try:
+                content = json.loads(store.read(manifest))
+            except FileNotFoundError:
+                if url.endswith("manifest.json"):
+                    raise FileNotFoundError(f"no manifest at {url}") from None
+                if not store.exists(url):
+                    raise FileNotFoundError(
+                        f"no manifest.json under {url} and no shard at {url}; pass a pack's folder, "
+                        "a shard or a glob of shards"
+                    ) from None
+                urls = [url]
+            else:
+                self.labels = content.get("labels", {})
+                base = manifest.rsplit("/", 1)[0]
+                urls = [join(base, s["name"]) for s in content["shards"]]
+                tags = {join(base, s["name"]): s.get("sha256", "") for s in content["shards"]}
+        else:
+            urls = [u for u in store.glob(url) if not u.endswith(".index")]
+            if not urls:
+                raise FileNotFoundError(f"no shards match {url}")
+        indexes = self._remote_indexes(urls)
+        shards = []
+        for shard, index in zip(urls, indexes):
+            # The index is part of the cache key: a shard rewritten with other records never reads old blocks.
+            tag = tags.get(shard, "") + hashlib.sha256(index.tobytes()).hexdigest()[:16]
+            source = RemoteSource(shard, store, self.cache, index, block_size, tag)
+            shards.append(RecordFile(shard, index, verify=verify, source=source))
+        return shards
+
+    def _remote_indexes(self, urls: list[str]) -> list[np.ndarray]:
+        """Each shard's index: its `.index` object, fetched many at a time, or found by reading the whole shard."""
+        store = self.store
+        assert store is not None
+        indexes = []
+        for start in range(0, len(urls), 64):
+            batch = [f"{u}.index" for u in urls[start : start + 64]]
+            texts = store.call(
+                "cat", batch, on_error="return", what=f"reading {len(batch)} shard indexes from {batch[0]}"
+            )
+            for name in batch:
+                text = texts.get(name, texts.get(name.split("://", 1)[-1]))
+                if isinstance(text, bytes):
+                    indexes.append(parse_index(text.decode(), name))
+                elif text is None or isinstance(text, FileNotFoundError):
+                    shard = name[: -len(".index")]
+                    indexes.append(scan_index(store.read(shard), shard))
+                else:
+                    raise text
+        return indexes
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0

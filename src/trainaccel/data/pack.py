@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ import numpy as np
 
 from trainaccel.data.example import ImageRecord
 from trainaccel.data.records import RecordWriter, index_path
+from trainaccel.data.storage import Store, is_url, join, local_path
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 MANIFEST = "manifest.json"
@@ -252,22 +254,84 @@ def pack_shard(job: tuple[Path, Path, str, list[Item], PackOptions]) -> dict[str
     return result
 
 
+class _Place:
+    """Where a pack's files end up: the local output folder itself (nothing to publish)."""
+
+    def __init__(self, folder: Path):
+        self.folder = self.work = folder
+
+    def __str__(self) -> str:
+        return str(self.folder)
+
+    def exists(self, name: str) -> bool:
+        return (self.folder / name).exists()
+
+    def read_json(self, name: str) -> Any:
+        return json.loads((self.folder / name).read_text())
+
+    def write_json(self, name: str, value: Any) -> None:
+        _write_json(self.folder / name, value)
+
+    def publish(self, name: str) -> None:
+        """Make the file `name` written in `work` part of the output."""
+
+    def remove(self, name: str) -> None:
+        (self.folder / name).unlink(missing_ok=True)
+
+
+class _RemotePlace(_Place):
+    """A URL (s3://, gs://, ...): shards are written in a local staging folder, uploaded, then deleted there."""
+
+    def __init__(self, url: str, store: Any):
+        self.url, self.store = url.rstrip("/"), store
+        digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.work = Path(tempfile.gettempdir()) / "trainaccel-pack-staging" / digest
+
+    def __str__(self) -> str:
+        return self.url
+
+    def exists(self, name: str) -> bool:
+        return self.store.exists(join(self.url, name))
+
+    def read_json(self, name: str) -> Any:
+        return json.loads(self.store.read(join(self.url, name)))
+
+    def write_json(self, name: str, value: Any) -> None:
+        self.store.write_bytes(join(self.url, name), (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+
+    def publish(self, name: str) -> None:
+        self.store.put(self.work / name, join(self.url, name))
+        (self.work / name).unlink()
+
+    def remove(self, name: str) -> None:
+        self.store.remove(join(self.url, name))
+
+
 def pack(
     items: Sequence[Item],
     root: Path,
-    out: Path,
+    out: Path | str,
     label_map: dict[str, int],
     options: PackOptions,
     source: dict[str, Any],
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Pack `items` (paths under `root`) into shards in `out`; returns the manifest."""
+    """Pack `items` (paths under `root`) into shards in `out`, a folder or a URL fsspec writes; returns the manifest.
+
+    For a URL, each shard is written to a local staging folder, uploaded with its index and its
+    completion record, and deleted locally; the manifest is uploaded last.
+    """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"invalid workers={workers!r}; accepted: an integer >= 1")
     if not items:
         raise PackError(f"nothing to pack from {source}")
-    out.mkdir(parents=True, exist_ok=True)
+    if is_url(out):
+        place: _Place = _RemotePlace(str(out), Store(str(out), storage_options))
+    else:
+        place = _Place(local_path(out))
+    place.work.mkdir(parents=True, exist_ok=True)
     fingerprint = hashlib.sha256(json.dumps([asdict(i) for i in items], default=str).encode()).hexdigest()
     shards = plan_shards(items, root, options.shard_size)
     plan = {
@@ -277,33 +341,34 @@ def pack(
         "fingerprint": fingerprint,
         "shards": [[s[0], s[-1] + 1] for s in shards],
     }
-    manifest_path = out / MANIFEST
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
+    if place.exists(MANIFEST):
+        manifest = place.read_json(MANIFEST)
         if manifest.get("plan") == plan:
             return manifest  # already packed with these arguments
-        raise PackError(f"{out} already holds a finished pack made with other arguments; use an empty folder")
-    plan_path = out / PLAN
-    if plan_path.exists() and json.loads(plan_path.read_text()) != plan:
+        raise PackError(f"{place} already holds a finished pack made with other arguments; use an empty folder")
+    if place.exists(PLAN) and place.read_json(PLAN) != plan:
         raise PackError(
-            f"{out} holds an unfinished pack made with other arguments or inputs; rerun that "
+            f"{place} holds an unfinished pack made with other arguments or inputs; rerun that "
             "command to finish it, or use an empty folder"
         )
-    _write_json(plan_path, plan)
+    place.write_json(PLAN, plan)
     names = [shard_name(k, len(shards)) for k in range(len(shards))]
     results: dict[str, dict[str, Any]] = {}
     jobs = []
     for name, members in zip(names, shards):
-        done = out / f"{name}.done.json"
-        if done.exists() and (out / name).exists() and index_path(out / name).exists():
-            results[name] = json.loads(done.read_text())
+        done = f"{name}.done.json"
+        if place.exists(done) and place.exists(name) and place.exists(index_path(name).name):
+            results[name] = place.read_json(done)
             if progress:
                 progress(len(members))
         else:
-            jobs.append((root, out, name, [items[i] for i in members], options))
+            jobs.append((root, place.work, name, [items[i] for i in members], options))
     with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         for result, job in zip((pool.map if pool else map)(pack_shard, jobs), jobs):
-            results[result["name"]] = result
+            name = result["name"]
+            for file in (name, index_path(name).name, f"{name}.done.json"):  # the completion record last
+                place.publish(file)
+            results[name] = result
             if progress:
                 progress(len(job[3]))
     manifest = {
@@ -314,10 +379,10 @@ def pack(
         "skipped": [s for n in names for s in results[n]["skipped"]],
         "plan": plan,
     }
-    _write_json(manifest_path, manifest)  # last: its presence means every shard is complete
+    place.write_json(MANIFEST, manifest)  # last: its presence means every shard is complete
     for name in names:
-        (out / f"{name}.done.json").unlink(missing_ok=True)
-    plan_path.unlink(missing_ok=True)
+        place.remove(f"{name}.done.json")
+    place.remove(PLAN)
     return manifest
 
 

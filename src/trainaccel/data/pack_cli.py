@@ -18,18 +18,18 @@ def add_arguments(commands: argparse._SubParsersAction) -> None:
     )
     folder = commands.add_parser("imagefolder", help="pack IMG_DIR/<class>/<image> into shards in OUT")
     folder.add_argument("img_dir", type=Path)
-    folder.add_argument("out", type=Path)
+    folder.add_argument("out", help="output folder, or a URL: s3://bucket/prefix, gs://..., az://...")
     listed = commands.add_parser("list", help="pack the images of an image list (paths under IMG_ROOT) into OUT")
     listed.add_argument("list", type=Path)
     listed.add_argument("img_root", type=Path)
-    listed.add_argument("out", type=Path)
+    listed.add_argument("out", help="output folder or URL")
     listed.add_argument(
         "--labels", type=Path, help="JSON {class: label} for the manifest; default: labels.json beside the list, if any"
     )
     coco = commands.add_parser("coco", help="pack the images of a COCO annotation file, with boxes and categories")
     coco.add_argument("annotations", type=Path, help="COCO instances JSON (images, annotations, categories)")
     coco.add_argument("img_dir", type=Path)
-    coco.add_argument("out", type=Path)
+    coco.add_argument("out", help="output folder or URL")
     for sub in (folder, listed, coco):
         sub.add_argument(
             "--shard-size",
@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
             items, root = read_list(args.list), args.img_root
             source = {"list": str(args.list.resolve()), "img_root": str(args.img_root.resolve())}
         manifest = _pack_with_progress(pack, items, root, args.out, label_map, options, source, args.workers)
-    except (PackError, ValueError, OSError) as error:
+    except (PackError, ValueError, OSError, ImportError) as error:
         print(f"trainaccel pack: {error}", file=sys.stderr)
         return 2
     skipped = len(manifest["skipped"])

@@ -12,6 +12,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -100,21 +101,30 @@ def write_index(path: str | Path, entries: list[tuple[int, int]]) -> None:
 
 def read_index(path: str | Path) -> np.ndarray:
     """An index file as an (n, 2) int64 array of offset and size."""
-    text = Path(path).read_text()
+    return parse_index(Path(path).read_text(), path)
+
+
+def parse_index(text: str, name: str | Path) -> np.ndarray:
+    """An index's text (`offset size` lines) as an (n, 2) int64 array; errors name `name`."""
     try:
         rows = [tuple(int(x) for x in line.split()) for line in text.splitlines() if line.strip()]
     except ValueError as error:
-        raise ValueError(f"{path}: not an `offset size` index ({error})") from None
+        raise ValueError(f"{name}: not an `offset size` index ({error})") from None
     if any(len(row) != 2 for row in rows):
-        raise ValueError(f"{path}: every line of an index must be `offset size`")
+        raise ValueError(f"{name}: every line of an index must be `offset size`")
     return np.array(rows, dtype=np.int64).reshape(-1, 2)
 
 
 def build_index(shard: str | Path) -> np.ndarray:
     """Scan a shard's record headers (checking each length's CRC) and return its index."""
-    entries = []
     with open(shard, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(shard) else b""
+    return scan_index(data, shard)
+
+
+def scan_index(data: bytes | mmap.mmap, shard: str | Path) -> np.ndarray:
+    """The index of a whole shard's bytes, found by walking its record headers; errors name `shard`."""
+    entries = []
     offset, number = 0, 0
     while offset < len(data):
         length = _check_header(data, offset, shard, number)
@@ -129,11 +139,15 @@ def build_index(shard: str | Path) -> np.ndarray:
     return np.array(entries, dtype=np.int64).reshape(-1, 2)
 
 
-def _check_header(data: bytes | mmap.mmap, offset: int, shard: str | Path, number: int) -> int:
-    if offset + _HEADER.size > len(data):
+def _check_header(
+    data: bytes | mmap.mmap | memoryview, at: int, shard: str | Path, number: int, offset: int | None = None
+) -> int:
+    """The record length at `at` in `data`, CRC checked; `offset` is the record's place in the shard, for messages."""
+    offset = at if offset is None else offset
+    if at + _HEADER.size > len(data):
         raise CorruptRecordError(f"{shard}: record {number} at offset {offset} is truncated (no complete header)")
-    length, stored = _HEADER.unpack_from(data, offset)
-    if masked_crc(data[offset : offset + 8]) != stored:
+    length, stored = _HEADER.unpack_from(data, at)
+    if masked_crc(data[at : at + 8]) != stored:
         raise CorruptRecordError(
             f"{shard}: record {number} at offset {offset}: length CRC mismatch "
             f"(the length field or its checksum is damaged)"
@@ -142,24 +156,38 @@ def _check_header(data: bytes | mmap.mmap, offset: int, shard: str | Path, numbe
 
 
 class RecordFile:
-    """Random access to one shard's payloads through its index and a memory map.
+    """Random access to one shard's payloads through its index: a memory map, or a remote source's blocks.
 
     The map is opened lazily in each process, so a RecordFile can go to DataLoader workers.
-    With `verify=True` (the default) each read checks both CRCs.
+    With `verify=True` (the default) each read checks both CRCs. `source` (a remote shard's reader,
+    see `trainaccel.data.storage`) serves the bytes instead of a local file; `shard` is then its URL.
     """
 
-    def __init__(self, shard: str | Path, index: str | Path | np.ndarray | None = None, verify: bool = True):
-        self.shard = Path(shard)
-        if not self.shard.is_file():
-            raise FileNotFoundError(f"no shard at {self.shard}")
-        if isinstance(index, np.ndarray):
+    def __init__(
+        self,
+        shard: str | Path,
+        index: str | Path | np.ndarray | None = None,
+        verify: bool = True,
+        source: Any = None,
+    ):
+        self.source = source
+        if source is not None:
+            if not isinstance(index, np.ndarray):
+                raise ValueError(f"a remote shard ({shard}) needs its index as an array")
+            self.shard: str | Path = str(shard)
             self.index = index
-        elif index is not None:
-            self.index = read_index(index)
-        elif index_path(self.shard).is_file():
-            self.index = read_index(index_path(self.shard))
         else:
-            self.index = build_index(self.shard)
+            self.shard = Path(shard)
+            if not self.shard.is_file():
+                raise FileNotFoundError(f"no shard at {self.shard}")
+            if isinstance(index, np.ndarray):
+                self.index = index
+            elif index is not None:
+                self.index = read_index(index)
+            elif index_path(self.shard).is_file():
+                self.index = read_index(index_path(self.shard))
+            else:
+                self.index = build_index(self.shard)
         self.verify = verify
         self._map: mmap.mmap | None = None
         self._pid = -1
@@ -174,34 +202,41 @@ class RecordFile:
             self._pid = os.getpid()
         return self._map
 
-    def __getitem__(self, number: int) -> bytes:
+    def framed(self, number: int) -> tuple[int, memoryview]:
+        """Record `number` as stored (header, payload, footer) and its offset, unchecked."""
         if not -len(self) <= number < len(self):
             raise IndexError(f"record {number} out of range: {self.shard} has {len(self)} records")
         offset, size = (int(x) for x in self.index[number])
+        if self.source is not None:
+            return offset, self.source.read(number % len(self), offset, size)
         data = self._data()
         if offset + size > len(data):
             raise CorruptRecordError(
                 f"{self.shard}: record {number} at offset {offset} is truncated "
                 f"(the index says {size} bytes; the shard has {len(data) - offset})"
             )
+        return offset, memoryview(data)[offset : offset + size]
+
+    def __getitem__(self, number: int) -> bytes:
+        offset, record = self.framed(number)
+        size = len(record)
         length = (
-            _check_header(data, offset, self.shard, number) if self.verify else _HEADER.unpack_from(data, offset)[0]
+            _check_header(record, 0, self.shard, number, offset) if self.verify else _HEADER.unpack_from(record, 0)[0]
         )
         if OVERHEAD + length != size:
             raise CorruptRecordError(
                 f"{self.shard}: record {number} at offset {offset}: the index says {size} "
                 f"bytes, the record header {OVERHEAD + length}"
             )
-        start = offset + _HEADER.size
-        payload = data[start : start + length]
+        payload = record[_HEADER.size : _HEADER.size + length]
         if self.verify:
-            (stored,) = _FOOTER.unpack_from(data, start + length)
+            (stored,) = _FOOTER.unpack_from(record, _HEADER.size + length)
             if masked_crc(payload) != stored:
                 raise CorruptRecordError(
                     f"{self.shard}: record {number} at offset {offset}: payload CRC mismatch "
                     f"(stored {stored:#010x}, computed {masked_crc(payload):#010x})"
                 )
-        return payload
+        return bytes(payload)
 
     def __iter__(self) -> Iterator[bytes]:
         return (self[i] for i in range(len(self)))
