@@ -1,5 +1,7 @@
 """Remote-storage pieces that need no server: sizes, block plans, the shared block cache, and bad arguments."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ def test_urls_sizes_and_block_plans():
         ({"block_size": "0"}, "invalid block_size='0'; accepted: bytes as a number or with a unit"),
         ({"block_size": "8 parsecs"}, "invalid block_size='8 parsecs'"),
         ({"cache_limit": True}, "invalid cache_limit=True"),
-        ({"prefetch": -1}, r"invalid prefetch=-1; accepted: an integer >= 0 \(blocks read ahead\)"),
+        ({"prefetch": -1}, r"invalid prefetch=-1; accepted: an integer >= 0 \(threads reading ahead\)"),
         ({"retries": -1}, "invalid retries=-1; accepted: an integer >= 0"),
         ({"timeout": 0}, r"invalid timeout=0; accepted: seconds > 0"),
     ],
@@ -53,21 +55,25 @@ def test_the_block_cache_shares_blocks_and_evicts_least_recent_shards(tmp_path):
     def fetcher(data):
         return lambda: fetched.append(data) or data
 
-    assert bytes(cache.block("k/a", 0, fetcher(b"a" * 100), [])) == b"a" * 100
-    assert bytes(cache.block("k/a", 0, fetcher(b"never"), [])) == b"a" * 100  # mapped: not fetched again
-    assert bytes(BlockCache(tmp_path / "c", limit=250).block("k/a", 0, fetcher(b"never"), [])) == b"a" * 100
-    cache.block("k/b", 0, fetcher(b"b" * 100), [])
-    cache.block("k/c", 0, fetcher(b"c" * 100), [])  # 300 > 250: the least recently used shard goes, whole
+    assert bytes(cache.block("k/a", 0, fetcher(b"a" * 100), list)) == b"a" * 100
+    assert bytes(cache.block("k/a", 0, fetcher(b"never"), list)) == b"a" * 100  # mapped: not fetched again
+    assert bytes(BlockCache(tmp_path / "c", limit=250).block("k/a", 0, fetcher(b"never"), list)) == b"a" * 100
+    cache.block("k/b", 0, fetcher(b"b" * 100), list)
+    cache.block("k/c", 0, fetcher(b"c" * 100), list)  # 300 > 250: the least recently used shard goes, whole
     assert sorted(p.name for p in (tmp_path / "c" / "k").iterdir()) == ["b", "c"]
     assert fetched == [b"a" * 100, b"b" * 100, b"c" * 100]
-    # Read-ahead: the next blocks are fetched on a background thread.
+    # Read-ahead: the shard's other blocks are fetched on background threads.
     ahead = BlockCache(tmp_path / "d", prefetch=2)
-    ahead.block("k/s", 0, fetcher(b"0"), [(1, fetcher(b"1")), (2, fetcher(b"2")), (3, fetcher(b"3"))])
+    ahead.block("k/s", 0, fetcher(b"0"), lambda: [(1, fetcher(b"1")), (2, fetcher(b"2")), (3, fetcher(b"3"))])
+    deadline = time.monotonic() + 10
+    while len(list((tmp_path / "d" / "k" / "s").glob("block-??????"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     ahead.close()
     assert sorted(p.name for p in (tmp_path / "d" / "k" / "s").glob("block-??????")) == [
         "block-000000",
         "block-000001",
         "block-000002",
+        "block-000003",
     ]
     temporary = BlockCache()
     folder = temporary.folder

@@ -1,4 +1,9 @@
-"""`trainaccel bench data`: images/s through a DataLoader, per-file loading vs packed shards, cold and warm cache."""
+"""`trainaccel bench data`: images/s through a DataLoader, per-file loading vs packed shards, cold and warm cache.
+
+With `--store http|s3` the images and shards are served by a real server on loopback (nginx, or
+moto's S3 server) behind a proxy that adds `--latency-ms` each way: per-file reads then cost a
+round trip each, as on object storage or a cluster file system.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -17,6 +24,7 @@ from trainaccel.bench.image_data import (
     TENSOR_DTYPES,
     DecodeDataset,
     ReadyDataset,
+    RemoteFileDataset,
     TrainTransform,
     decoder_timings,
     make_synthetic,
@@ -24,8 +32,11 @@ from trainaccel.bench.image_data import (
 )
 from trainaccel.bench.jobs import report_header
 from trainaccel.bench.progress import progress
+from trainaccel.bench.stores import Remote
 
-ARMS = ("files", "records", "records-pil", "records-256", "tfrecord", "memory", "loader-only")
+ARMS = ("files", "records", "records-pil", "records-256", "records-local", "tfrecord", "memory", "loader-only")
+STORES = ("local", "http", "s3")
+REMOTE_ARMS = ("files", "records", "records-pil", "records-256")  # read from the store; the others stay local
 DECODE_SIZE = (160, 120)  # half the synthetic images' size or less: JPEGs decode at 1/2 scale
 CACHES = ("cold", "warm")
 
@@ -50,7 +61,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
-    parser.add_argument("--cache", default=",".join(CACHES), help="cold (files evicted before each run), warm, or both")
+    parser.add_argument(
+        "--cache",
+        help="cold (files evicted before each run), warm, or both (default: both; remote stores: cold)",
+    )
+    parser.add_argument(
+        "--store",
+        choices=STORES,
+        default="local",
+        help="where files and shards are read from: the local disk, nginx over HTTP, or moto's S3 server "
+        "(both on loopback; default local)",
+    )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="milliseconds a proxy adds each way to every exchange with the store (remote stores; default 0)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
 
@@ -100,33 +127,45 @@ def evict(paths: list[Path]) -> None:
 
 
 def build_arm(
-    arm: str, places: dict[str, Path], transform: TrainTransform
-) -> tuple[torch.utils.data.Dataset, list[Path]]:
-    """The dataset of an arm and the files it reads."""
+    arm: str, places: dict[str, Path], transform: TrainTransform, remote: Remote | None = None
+) -> tuple[Callable[[], torch.utils.data.Dataset], list[Path]]:
+    """How to make an arm's dataset for one pass (remote shards: a new, empty block cache), and the files it reads."""
     from trainaccel.data import RecordDataset
 
     if arm == "files":
         folder = places["images"]
         files = sorted(folder.rglob("*.jpg"))
         classes = sorted({p.parent.name for p in files})
-        return DecodeDataset([(p, classes.index(p.parent.name)) for p in files], transform), files
+        items = [(p, classes.index(p.parent.name)) for p in files]
+        if remote is not None:
+            urls = [(remote.url(p), label) for p, label in items]
+            return (lambda: RemoteFileDataset(urls, transform, remote.options)), files
+        dataset = DecodeDataset(items, transform)
+        return (lambda: dataset), files
     if arm.startswith("records"):
         output = "pil" if arm == "records-pil" else "tensor"
         size = (transform.size, transform.size) if arm == "records-256" else None
-        dataset = RecordDataset(
-            places["records-256" if arm == "records-256" else "records"],
-            transform=transform,
-            output=output,
-            decode_size=size,
-        )
-        return dataset, [s.shard for s in dataset.shards]
+        folder = places["records-256" if arm == "records-256" else "records"]
+        shards = [s.shard for s in RecordDataset(folder).shards]
+        if remote is not None and arm != "records-local":
+            url = remote.url(folder)
+            return (
+                lambda: RecordDataset(
+                    url, transform=transform, output=output, decode_size=size, storage_options=remote.options
+                )
+            ), shards
+        dataset = RecordDataset(folder, transform=transform, output=output, decode_size=size)
+        return (lambda: dataset), shards
     shards = [s.shard for s in RecordDataset(places["records"]).shards]
     if arm == "tfrecord":
-        return tfrecord_package_dataset(shards, transform), shards
+        dataset = tfrecord_package_dataset(shards, transform)
+        return (lambda: dataset), shards
     records = RecordDataset(places["records"], output="bytes")
     if arm == "loader-only":
-        return ReadyDataset(len(records), transform), []
-    return DecodeDataset([records[i] for i in range(len(records))], transform), []
+        ready = ReadyDataset(len(records), transform)
+        return (lambda: ready), []
+    memory = DecodeDataset([records[i] for i in range(len(records))], transform)
+    return (lambda: memory), []
 
 
 def images_per_second(dataset: torch.utils.data.Dataset, workers: int, batch_size: int) -> tuple[float, float]:
@@ -148,6 +187,8 @@ def images_per_second(dataset: torch.utils.data.Dataset, workers: int, batch_siz
 
 def main(args: argparse.Namespace) -> int:
     try:
+        if args.cache is None:
+            args.cache = "cold" if args.store != "local" else ",".join(CACHES)
         arms, caches = _subset(args.arms, ARMS, "--arms"), _subset(args.cache, CACHES, "--cache")
         for name in ("images", "classes", "workers", "batch_size", "repeats"):
             if getattr(args, name) < (0 if name == "workers" else 1):
@@ -155,6 +196,15 @@ def main(args: argparse.Namespace) -> int:
                     f"invalid --{name.replace('_', '-')} {getattr(args, name)}; "
                     f"accepted: an integer >= {0 if name == 'workers' else 1}"
                 )
+        if args.store == "local" and "records-local" in arms:
+            raise ValueError("--arms records-local compares a remote store's shards with the local disk; add --store")
+        if args.store != "local" and "warm" in caches:
+            raise ValueError(
+                f"invalid --cache {args.cache!r} with --store {args.store}; accepted: cold (each pass "
+                "starts with an empty block cache and the server's files evicted)"
+            )
+        if args.latency_ms < 0 or (args.latency_ms and args.store == "local"):
+            raise ValueError(f"invalid --latency-ms {args.latency_ms}; accepted: >= 0, with --store http or s3")
         places = prepare(args.work, args.images, args.classes)
     except ImportError as error:  # the data extra is not installed
         print(f"trainaccel bench data: {error}; install it with pip install 'trainaccel[data]'", file=sys.stderr)
@@ -162,17 +212,58 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"trainaccel bench data: {error}", file=sys.stderr)
         return 2
+    if args.store == "local":
+        return measure(args, arms, caches, places, None)
+    upload = [places[name] for name in ("images", "records", "records-256")]
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        Remote(args.store, args.work, Path(scratch), args.latency_ms, upload) as remote,
+    ):
+        return measure(args, arms, caches, places, remote)
+
+
+def link_rate(remote: Remote, folder: Path, block: int = 8 << 20, streams: int = 4) -> float:
+    """Bytes/s of the store through its proxy: a pack's shards read whole in `block` ranges, `streams` at a time."""
+    from trainaccel.data import RecordDataset
+    from trainaccel.data.storage import Store
+
+    store = Store(remote.url(folder), remote.options)
+    jobs = []
+    for shard in RecordDataset(folder).shards:
+        size = shard.shard.stat().st_size
+        url = remote.url(shard.shard)
+        jobs += [(url, start, min(start + block, size)) for start in range(0, size, block)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        total = sum(len(data) for data in pool.map(lambda job: store.read(*job), jobs))
+    return total / (time.perf_counter() - start)
+
+
+def measure(
+    args: argparse.Namespace,
+    arms: list[str],
+    caches: list[str],
+    places: dict[str, Path],
+    remote: Remote | None,
+) -> int:
     transform = TrainTransform(dtype=args.dtype)
     samples = [path.read_bytes() for path in sorted(places["images"].rglob("*.jpg"))[:200]]
     decoders = decoder_timings(samples, DECODE_SIZE, args.repeats)
-    built = {arm: build_arm(arm, places, transform) for arm in arms}
+    built = {arm: build_arm(arm, places, transform, remote) for arm in arms}
+    link = None
+    if remote is not None:
+        evict([s for s in places["records"].glob("*.tfrecord")])
+        rate = link_rate(remote, places["records"])
+        record_bytes = sum(f.stat().st_size for f in places["records"].glob("*.tfrecord")) / args.images
+        link = {"bytes_per_s": rate, "images_per_s": rate / record_bytes}
     rates: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
     startup: dict[str, dict[str, list[float]]] = {arm: {c: [] for c in caches} for arm in arms}
     with progress("bench data", args.repeats * len(arms) * len(caches)) as report:
         for repeat in range(args.repeats):  # interleaved, so drifts of the machine hit every arm alike
             for arm in arms:
-                dataset, files = built[arm]
+                make, files = built[arm]
                 for cache in caches:
+                    dataset = make()
                     report.start(f"{arm}, {cache} cache, repeat {repeat + 1}/{args.repeats}")
                     if cache == "cold":
                         evict(files)
@@ -199,8 +290,14 @@ def main(args: argparse.Namespace) -> int:
         "min_max": spread,
         "ratio_to_files": ratios,
         "seconds_to_first_batch": startup,
+        "link": link,
     }
     _print_tables(decoders, summary, ratios, caches, args)
+    if link is not None:
+        print(
+            f"the store through its proxy ({args.latency_ms:g} ms each way): {link['bytes_per_s'] / 1e6:.0f} MB/s, "
+            f"{link['images_per_s']:.0f} images/s of packed records"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0

@@ -110,6 +110,26 @@ class DecodeDataset(torch.utils.data.Dataset):
             return self.transform(image.convert("RGB")), label
 
 
+class RemoteFileDataset(torch.utils.data.Dataset):
+    """One object per image on a remote store, one request each, opened with PIL: the remote baseline."""
+
+    def __init__(self, items: list[tuple[str, int]], transform: TrainTransform, storage_options: dict[str, Any]):
+        from trainaccel.data.storage import Store
+
+        self.items, self.transform = items, transform
+        self.store = Store(items[0][0], storage_options) if items else None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        url, label = self.items[i]
+        with Image.open(io.BytesIO(self.store.read(url))) as image:
+            return self.transform(image.convert("RGB")), label
+
+
 class ReadyDataset(torch.utils.data.Dataset):
     """A new tensor shaped as the transform's output per image: what the DataLoader alone can carry."""
 

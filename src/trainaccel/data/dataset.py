@@ -32,9 +32,10 @@ class RecordDataset(torch.utils.data.Dataset):
     scale down by 2, 4 or 8 in the DCT domain to no less than that size. CRCs are checked on every
     read unless `verify=False`.
 
-    Remote shards are read in blocks of whole records of about `block_size` bytes, `prefetch`
-    blocks ahead, through a folder the loader workers share: `cache_dir` (kept, up to
-    `cache_limit`, evicting whole shards) or a temporary one. `storage_options` go to fsspec
+    Remote shards are read in blocks of whole records of about `block_size` bytes, through a
+    folder the loader workers share: `cache_dir` (kept, up to `cache_limit`, evicting whole
+    shards) or a temporary one. Once a shard is read, its other blocks are fetched ahead on
+    `prefetch` threads per process. `storage_options` go to fsspec
     (credentials, endpoint). Each remote call is bounded by `timeout` seconds and retried
     `retries` times with backoff.
     """

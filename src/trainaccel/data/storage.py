@@ -192,13 +192,13 @@ class BlockCache:
 
     Without `folder`, a temporary folder is made and removed when the object that made it is
     collected (in the process that made it). Blocks are written once under a lock file and
-    renamed into place; readers map them. `prefetch` blocks after each one read are fetched ahead
-    on background threads.
+    renamed into place; readers map them. A shard's other blocks are fetched ahead once one is read,
+    on `prefetch` background threads per process (0: none).
     """
 
     def __init__(self, folder: str | os.PathLike | None = None, limit: int | str = "1GB", prefetch: int = 2):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"invalid prefetch={prefetch!r}; accepted: an integer >= 0 (blocks read ahead)")
+            raise ValueError(f"invalid prefetch={prefetch!r}; accepted: an integer >= 0 (threads reading ahead)")
         self.limit = parse_bytes(limit, "cache_limit")
         self.prefetch = prefetch
         if folder is None:
@@ -228,8 +228,13 @@ class BlockCache:
         if self._pid != os.getpid():  # a forked loader worker: nothing of the parent's threads or maps
             self._reset()
 
-    def block(self, key: str, number: int, fetch: Any, ahead: list[tuple[int, Any]]) -> memoryview:
-        """Block `number` of shard `key`, fetched with `fetch()` when no process of this node has it yet."""
+    def block(self, key: str, number: int, fetch: Any, rest: Any) -> memoryview:
+        """Block `number` of shard `key`, fetched with `fetch()` when no process of this node has it yet.
+
+        When this process maps a block for the first time, the shard's other blocks (`rest()`:
+        (number, fetch) pairs, next ones first) are fetched ahead: a sampler's window reads a
+        shard's records in random order, so the whole shard is soon needed.
+        """
         self._check_process()
         path = self.folder / key / f"block-{number:06d}"
         with self._lock:
@@ -240,10 +245,11 @@ class BlockCache:
             data = self._load(path, fetch, wait=True)
             with self._lock:
                 self._maps[path] = data
-                while len(self._maps) > 16:  # mapped blocks per process; evicted files stay valid while mapped
+                while len(self._maps) > 64:  # mapped blocks per process; evicted files stay valid while mapped
                     self._maps.popitem(last=False)
-        for later, later_fetch in ahead[: self.prefetch]:
-            self._read_ahead(self.folder / key / f"block-{later:06d}", later_fetch)
+            if self.prefetch:
+                for later, later_fetch in rest():
+                    self._read_ahead(self.folder / key / f"block-{later:06d}", later_fetch)
         return memoryview(data)
 
     def _read_ahead(self, path: Path, fetch: Any) -> None:
@@ -375,9 +381,10 @@ class RemoteSource:
     def read(self, number: int, offset: int, size: int) -> memoryview:
         """The framed bytes of record `number` (at `offset`, `size` long)."""
         block = int(np.searchsorted(self.starts, number, side="right")) - 1
-        ahead = [
-            (b, self._fetcher(b)) for b in range(block + 1, min(block + 1 + self.cache.prefetch, len(self.starts)))
-        ]
-        data = self.cache.block(self.key, block, self._fetcher(block), ahead)
+
+        def rest() -> list[tuple[int, Any]]:
+            return [(b, self._fetcher(b)) for b in [*range(block + 1, len(self.starts)), *range(block)]]
+
+        data = self.cache.block(self.key, block, self._fetcher(block), rest)
         base = self._span(block)[0]
         return data[offset - base : offset - base + size]
