@@ -74,6 +74,7 @@ def test_bench_data_reports_every_arm(tmp_path, dtype):
         "records",
         "records-pil",
         "records-256",
+        "records-256-fused",
         "tfrecord",
         "memory",
         "loader-only",
@@ -94,3 +95,37 @@ def test_bench_data_reports_every_arm(tmp_path, dtype):
 def test_bad_arms_are_named():
     proc = run([*trainaccel_cmd(), "bench", "data", "--arms", "files,nope"])
     assert proc.returncode == 2 and "invalid --arms 'files,nope'" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_bench_data_streams_from_a_real_store_behind_a_delaying_proxy(tmp_path):
+    args = ["--work", tmp_path / "work", "--images", 24, "--classes", 2, "--repeats", 1, "--batch-size", 8]
+    arms = "files,records,records-local"
+    proc = run(
+        [
+            *trainaccel_cmd(),
+            "bench",
+            "data",
+            *args,
+            "--store",
+            "http",
+            "--latency-ms",
+            2,
+            "--arms",
+            arms,
+            "--json",
+            tmp_path / "out.json",
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report["median"]) == {"files", "records", "records-local"}
+    assert all(set(per) == {"cold"} and per["cold"] > 0 for per in report["median"].values())
+    assert report["link"]["bytes_per_s"] > 0 and "the store through its proxy (2 ms each way)" in proc.stdout
+    for bad, message in (
+        (["--store", "http", "--cache", "warm"], "invalid --cache 'warm' with --store http; accepted: cold"),
+        (["--latency-ms", 5], "invalid --latency-ms 5.0; accepted: >= 0, with --store http or s3"),
+        (["--arms", "records-local"], "--arms records-local compares a remote store's shards with the local disk"),
+    ):
+        proc = run([*trainaccel_cmd(), "bench", "data", *args, *map(str, bad)])
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -34,9 +34,18 @@ from trainaccel.bench.jobs import report_header
 from trainaccel.bench.progress import progress
 from trainaccel.bench.stores import Remote
 
-ARMS = ("files", "records", "records-pil", "records-256", "records-local", "tfrecord", "memory", "loader-only")
+ARMS = (
+    "files",
+    "records",
+    "records-pil",
+    "records-256",
+    "records-256-fused",
+    "records-local",
+    "tfrecord",
+    "memory",
+    "loader-only",
+)
 STORES = ("local", "http", "s3")
-REMOTE_ARMS = ("files", "records", "records-pil", "records-256")  # read from the store; the others stay local
 DECODE_SIZE = (160, 120)  # half the synthetic images' size or less: JPEGs decode at 1/2 scale
 CACHES = ("cold", "warm")
 
@@ -60,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "convert on the accelerator (default float32)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved (default 3)")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument(
+        "--arms",
+        help=f"comma-separated subset of {', '.join(ARMS)} (default: all; records-local only with --store)",
+    )
     parser.add_argument(
         "--cache",
         help="cold (files evicted before each run), warm, or both (default: both; remote stores: cold)",
@@ -145,7 +157,16 @@ def build_arm(
     if arm.startswith("records"):
         output = "pil" if arm == "records-pil" else "tensor"
         size = (transform.size, transform.size) if arm == "records-256" else None
-        folder = places["records-256" if arm == "records-256" else "records"]
+        folder = places["records-256" if arm.startswith("records-256") else "records"]
+        if arm == "records-256-fused":  # the shipped transform, giving what the arm's dtype asks for
+            from trainaccel.data import RandomResizedCrop
+
+            float32 = transform.dtype == "float32"
+            transform = RandomResizedCrop(  # type: ignore[assignment]
+                transform.size,
+                dtype=torch.float32 if float32 else torch.uint8,
+                layout="chw" if float32 else "hwc",
+            )
         shards = [s.shard for s in RecordDataset(folder).shards]
         if remote is not None and arm != "records-local":
             url = remote.url(folder)
@@ -189,6 +210,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.cache is None:
             args.cache = "cold" if args.store != "local" else ",".join(CACHES)
+        if args.arms is None:
+            args.arms = ",".join(a for a in ARMS if args.store != "local" or a != "records-local")
         arms, caches = _subset(args.arms, ARMS, "--arms"), _subset(args.cache, CACHES, "--cache")
         for name in ("images", "classes", "workers", "batch_size", "repeats"):
             if getattr(args, name) < (0 if name == "workers" else 1):

@@ -1,4 +1,4 @@
-"""Input pipelines: images packed into indexed TFRecord shards, read with verified random access.
+"""Input pipelines: images packed into indexed TFRecord shards, local or remote, read with verified random access.
 
 Needs the `data` extra (`pip install 'trainaccel[data]'`): crc32c, protobuf, Pillow and simplejpeg. Names
 are imported on first use, so `trainaccel` commands start without the extra installed.
@@ -23,6 +23,9 @@ _HOMES = {
     "masked_crc": "records",
     "read_index": "records",
     "write_index": "records",
+    "RandomResizedCrop": "transforms",
+    "CenterCrop": "transforms",
+    "StorageError": "storage",
 }
 __all__ = sorted(_HOMES)
 

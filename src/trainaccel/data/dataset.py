@@ -30,7 +30,8 @@ class RecordDataset(torch.utils.data.Dataset):
     "tensor" (uint8 CHW, channels-last in memory) or "bytes" (as stored). JPEGs decode with
     libjpeg-turbo (simplejpeg), other formats with Pillow. `decode_size=(w, h)` lets JPEG decoding
     scale down by 2, 4 or 8 in the DCT domain to no less than that size. CRCs are checked on every
-    read unless `verify=False`.
+    read unless `verify=False`. A transform that decodes (`trainaccel.data.RandomResizedCrop`,
+    `CenterCrop`) receives the stored bytes instead, and `output` then only tells "bytes" apart.
 
     Remote shards are read in blocks of whole records of about `block_size` bytes, through a
     folder the loader workers share: `cache_dir` (kept, up to `cache_limit`, evicting whole
@@ -63,6 +64,11 @@ class RecordDataset(torch.utils.data.Dataset):
             decode_size = (decode_size, decode_size)
         if decode_size is not None and (len(decode_size) != 2 or min(decode_size) < 1):
             raise ValueError(f"invalid decode_size={decode_size!r}; accepted: a size N or (width, height), at least 1")
+        if decode_size is not None and hasattr(transform, "from_encoded"):
+            raise ValueError(
+                f"decode_size={decode_size!r} with {type(transform).__name__}, which picks the decoding scale "
+                "from each crop; leave decode_size out"
+            )
         self.transform, self.target_transform = transform, target_transform
         self.output, self.decode_size = output, decode_size
         self.labels: dict[str, int] = {}
@@ -168,9 +174,14 @@ class RecordDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         record = self.record(index)
         image: Any = record.encoded
+        # A transform that decodes (trainaccel.data.RandomResizedCrop, CenterCrop) takes the stored bytes.
+        fused = getattr(self.transform, "from_encoded", None) if self.output != "bytes" else None
         if self.output != "bytes":
             try:
-                image = decode_image(record.encoded, self.output, self.decode_size)
+                if fused is not None:
+                    image = fused(record.encoded)
+                else:
+                    image = decode_image(record.encoded, self.output, self.decode_size)
             except Exception as error:  # name the record: the decoders' own messages say only what broke
                 shard, number = self.locate(index)
                 raise ValueError(
@@ -178,7 +189,7 @@ class RecordDataset(torch.utils.data.Dataset):
                     f"in {self.shards[shard].shard}: {error}"
                 ) from error
         label: Any = record.label
-        if self.transform is not None:
+        if self.transform is not None and fused is None:
             image = self.transform(image)
         if self.target_transform is not None:
             label = self.target_transform(label)

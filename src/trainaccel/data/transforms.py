@@ -4,13 +4,16 @@ Given to `RecordDataset(..., transform=RandomResizedCrop(224))`, they receive th
 the crop box is drawn from the image's header, the JPEG is decoded scaled down by 2, 4 or 8
 where the crop still covers the output size, and the crop is resized with torch's antialiased
 bilinear kernel for uint8 channels-last images. They also take a decoded image (a PIL image or a
-uint8 CHW tensor), as torchvision's transforms do. The result is a uint8 CHW tensor, channels-last
-in memory, for the accelerator to convert (`dtype=torch.float32` converts to [0, 1] here instead).
+uint8 CHW tensor), as torchvision's transforms do. The result is uint8 for the accelerator to
+convert (`dtype=torch.float32` gives [0, 1] here instead), CHW as torchvision's (`layout="chw"`),
+or HWC (`layout="hwc"`): batches are then NHWC, collated without a transposing copy, and
+`batch.permute(0, 3, 1, 2)` is a channels-last NCHW view, as FFCV and DALI hand batches over.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import numpy as np
@@ -20,6 +23,7 @@ from trainaccel.data.decode import dct_factor, decode_image
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _DTYPES = (torch.uint8, torch.float32)
+LAYOUTS = ("chw", "hwc")
 
 
 def _size_pair(size: int | tuple[int, int]) -> tuple[int, int]:
@@ -33,8 +37,11 @@ def _size_pair(size: int | tuple[int, int]) -> tuple[int, int]:
 class _DecodingCrop:
     """What both transforms share: a crop box from the image's size, decoded and resized at once."""
 
-    def __init__(self, size: int | tuple[int, int], flip: float, dtype: torch.dtype):
+    def __init__(self, size: int | tuple[int, int], flip: float, dtype: torch.dtype, layout: str):
         self.size = _size_pair(size)
+        if layout not in LAYOUTS:
+            raise ValueError(f"invalid layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
+        self.layout = layout
         if isinstance(flip, bool) or not isinstance(flip, (int, float)) or not 0 <= flip <= 1:
             raise ValueError(f"invalid flip={flip!r}; accepted: a probability from 0 to 1")
         if dtype not in _DTYPES:
@@ -79,7 +86,7 @@ class _DecodingCrop:
 
     def __call__(self, image: Any) -> torch.Tensor:
         if not isinstance(image, torch.Tensor):  # a PIL image
-            image = torch.from_numpy(np.asarray(image.convert("RGB"))).permute(2, 0, 1)
+            image = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
         if image.dtype != torch.uint8 or image.dim() != 3:
             raise ValueError(f"expected a uint8 CHW image tensor, got {image.dtype} of shape {tuple(image.shape)}")
         height, width = image.shape[1:]
@@ -93,9 +100,9 @@ class _DecodingCrop:
             crop = torch.nn.functional.interpolate(
                 crop, size=self.size, mode="bilinear", antialias=True, align_corners=False
             )
-        out = crop[0]
-        if self.flip and torch.rand(()) < self.flip:
-            out = out.flip(-1).contiguous(memory_format=torch.channels_last)
+        if self.flip and random.random() < self.flip:
+            crop = crop.flip(-1).contiguous(memory_format=torch.channels_last)
+        out = crop[0].permute(1, 2, 0) if self.layout == "hwc" else crop[0].contiguous()  # its memory was HWC
         if self.dtype == torch.float32:
             return out.float().div_(255)
         return out
@@ -111,8 +118,9 @@ class RandomResizedCrop(_DecodingCrop):
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         flip: float = 0.5,
         dtype: torch.dtype = torch.uint8,
+        layout: str = "chw",
     ):
-        super().__init__(size, flip, dtype)
+        super().__init__(size, flip, dtype, layout)
         if not (0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"invalid scale={scale!r}; accepted: (low, high) with 0 < low <= high <= 1")
         if not (0 < ratio[0] <= ratio[1]):
@@ -122,14 +130,12 @@ class RandomResizedCrop(_DecodingCrop):
     def box(self, width: int, height: int) -> tuple[int, int, int, int]:
         area = width * height
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for _ in range(10):
-            target = area * torch.empty(()).uniform_(*self.scale).item()
-            aspect = math.exp(torch.empty(()).uniform_(*log_ratio).item())
+        for _ in range(10):  # Python's generator: DataLoader seeds it in each worker, and it is 5x cheaper here
+            target = area * random.uniform(*self.scale)
+            aspect = math.exp(random.uniform(*log_ratio))
             w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
             if 0 < w <= width and 0 < h <= height:
-                top = int(torch.randint(0, height - h + 1, ()).item())
-                left = int(torch.randint(0, width - w + 1, ()).item())
-                return left, top, w, h
+                return random.randint(0, width - w), random.randint(0, height - h), w, h
         # As torchvision: a central crop with the ratio clamped to the accepted range.
         if width / height < self.ratio[0]:
             w, h = width, round(width / self.ratio[0])
@@ -141,21 +147,25 @@ class RandomResizedCrop(_DecodingCrop):
 
 
 class CenterCrop(_DecodingCrop):
-    """The validation crop: the central square of `crop_fraction` of the shorter side, resized to `size`.
+    """The validation crop: the largest central box of the output's shape, shrunk by `crop_fraction`, resized to `size`.
 
-    With the default 0.875 it is torchvision's Resize(256) then CenterCrop(224) for size 224.
+    With the default 0.875 and a square size 224, it is torchvision's Resize(256) then CenterCrop(224).
     """
 
-    def __init__(self, size: int | tuple[int, int], crop_fraction: float = 0.875, dtype: torch.dtype = torch.uint8):
-        super().__init__(size, 0.0, dtype)
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        crop_fraction: float = 0.875,
+        dtype: torch.dtype = torch.uint8,
+        layout: str = "chw",
+    ):
+        super().__init__(size, 0.0, dtype, layout)
         if isinstance(crop_fraction, bool) or not isinstance(crop_fraction, (int, float)) or not 0 < crop_fraction <= 1:
             raise ValueError(f"invalid crop_fraction={crop_fraction!r}; accepted: a fraction in (0, 1]")
         self.crop_fraction = float(crop_fraction)
 
     def box(self, width: int, height: int) -> tuple[int, int, int, int]:
         out_h, out_w = self.size
-        side = min(width, height) * self.crop_fraction
-        # The output's aspect ratio, as large as the fraction of the shorter side allows.
-        w, h = (side, side * out_h / out_w) if out_w >= out_h else (side * out_w / out_h, side)
-        w, h = max(1, min(width, round(w))), max(1, min(height, round(h)))
+        scale = min(width / out_w, height / out_h) * self.crop_fraction
+        w, h = max(1, min(width, round(out_w * scale))), max(1, min(height, round(out_h * scale)))
         return (width - w) // 2, (height - h) // 2, w, h
