@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import SCRIPTS, read_ranks, run, run_nodes, trainaccel_cmd, worker_loader
 from data.test_pack import make_images
 from trainaccel.bench.netproxy import DelayProxy
-from trainaccel.data import CorruptRecordError, ImageRecord, RecordDataset, RecordFile
+from trainaccel.data import CorruptRecordError, ImageRecord, RecordDataset, RecordFile, ShardSampler
 from trainaccel.data.pack import PackOptions, folder_items, pack
 from trainaccel.data.storage import StorageError
 
@@ -83,6 +84,14 @@ def test_remote_pack_reads_as_local_through_two_workers(store, http_server, s3_s
     assert [dataset.record(i).filename for i in range(40)] == [name for _, _, name in reference]
     pil, _ = RecordDataset(url, storage_options=options, cache_dir=tmp_path / "c")[3]
     assert pil.size == (96, 72)
+    # A sampler tells the dataset its order: each shard then reads the next one of that order ahead.
+    sampler = ShardSampler(dataset, num_replicas=1, rank=0, seed=4, window=8)
+    sampler.set_epoch(2)
+    order = [dataset.locate(i)[0] for i in sampler]
+    sources = [s.source for s in dataset.shards]
+    chain = [sources.index(src.next) if src.next else None for src in sources]
+    visits = list(dict.fromkeys(order))
+    assert [chain[a] for a in visits] == [*visits[1:], None]
     if store == "http":
         # Both workers share the cache folder: every block of every shard was downloaded exactly once.
         blocks = sum(len(s.source.starts) for s in dataset.shards)
@@ -154,12 +163,36 @@ def test_network_errors_are_retried_then_name_the_shard_and_bytes(http_server, l
         assert f"reading {via}/shard-00002-of-00005.tfrecord bytes 0-" in message
         assert "(records 0 to 7): failed 3 times over" in message
     # A server that stops answering: each try ends at the timeout, then the error names the wait.
-    with DelayProxy(("127.0.0.1", int(port)), delay=5.0) as slow:
-        dataset = RecordDataset(f"{url}", output="bytes", cache_dir=tmp_path / "c")
-        dataset.store.timeout, dataset.store.retries = 0.5, 1
-        dataset.shards[0].source.url = f"http://127.0.0.1:{slow.port}/pack-d/shard-00000-of-00005.tfrecord"
+    with DelayProxy(("127.0.0.1", int(port))) as slow:
+        via = f"http://127.0.0.1:{slow.port}/pack-d"
+        dataset = RecordDataset(via, output="bytes", cache_dir=tmp_path / "c", timeout=0.5, retries=1)
+        slow.delay = 5.0
         with pytest.raises(StorageError, match=r"failed 2 times over [0-9.]+ s, last: FSTimeoutError"):
             dataset[0]
+    assert url.endswith("/pack-d")
+
+
+def test_a_store_lost_mid_epoch_ends_a_two_worker_loader_with_the_error(http_server, local_pack, tmp_path):
+    served(http_server, local_pack, "pack-g")
+    port = int(http_server.url.rsplit(":", 1)[1])
+    with DelayProxy(("127.0.0.1", port)) as proxy:
+        dataset = RecordDataset(
+            f"http://127.0.0.1:{proxy.port}/pack-g",
+            output="bytes",
+            cache_dir=tmp_path / "c",
+            block_size="2KB",
+            prefetch=0,  # every block on demand: the cut below meets reads still to do
+            timeout=2,
+            retries=1,
+        )
+        batches = iter(worker_loader(_Labels(dataset), batch_size=2, collate_fn=as_list))
+        assert len(next(batches)) == 2
+        proxy.refuse(10**6)  # the store is gone, for good
+        started = time.monotonic()
+        with pytest.raises(StorageError, match=r"reading http://127.0.0.1:\d+/pack-g/shard-.* failed 2 times over"):
+            for _ in batches:
+                pass
+        assert time.monotonic() - started < 60  # each try bounded: no worker waits forever
 
 
 def test_a_damaged_remote_shard_is_reported_with_its_url(http_server, local_pack):

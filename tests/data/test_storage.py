@@ -62,18 +62,25 @@ def test_the_block_cache_shares_blocks_and_evicts_least_recent_shards(tmp_path):
     cache.block("k/c", 0, fetcher(b"c" * 100), list)  # 300 > 250: the least recently used shard goes, whole
     assert sorted(p.name for p in (tmp_path / "c" / "k").iterdir()) == ["b", "c"]
     assert fetched == [b"a" * 100, b"b" * 100, b"c" * 100]
-    # Read-ahead: the shard's other blocks are fetched on background threads.
+    # Read-ahead: what the reader lists (the shard's other blocks, then the next shard's) on background threads.
     ahead = BlockCache(tmp_path / "d", prefetch=2)
-    ahead.block("k/s", 0, fetcher(b"0"), lambda: [(1, fetcher(b"1")), (2, fetcher(b"2")), (3, fetcher(b"3"))])
+    ahead.block(
+        "k/s",
+        0,
+        fetcher(b"0"),
+        lambda: [("k/s", 1, fetcher(b"1")), ("k/s", 2, fetcher(b"2")), ("k/t", 0, fetcher(b"3"))],
+    )
     deadline = time.monotonic() + 10
-    while len(list((tmp_path / "d" / "k" / "s").glob("block-??????"))) < 4 and time.monotonic() < deadline:
+    while len(list((tmp_path / "d" / "k").glob("*/block-??????"))) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     ahead.close()
-    assert sorted(p.name for p in (tmp_path / "d" / "k" / "s").glob("block-??????")) == [
-        "block-000000",
-        "block-000001",
-        "block-000002",
-        "block-000003",
+    assert sorted(
+        p.relative_to(tmp_path / "d" / "k").as_posix() for p in (tmp_path / "d" / "k").glob("*/block-??????")
+    ) == [
+        "s/block-000000",
+        "s/block-000001",
+        "s/block-000002",
+        "t/block-000000",
     ]
     temporary = BlockCache()
     folder = temporary.folder

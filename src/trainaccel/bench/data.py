@@ -189,14 +189,32 @@ def build_arm(
     return (lambda: memory), []
 
 
-def images_per_second(dataset: torch.utils.data.Dataset, workers: int, batch_size: int) -> tuple[float, float]:
-    """One pass: images/s from the first batch to the last, and the seconds to the first batch.
+def training_order(dataset: torch.utils.data.Dataset, seed: int) -> torch.utils.data.Sampler | None:
+    """The order a training loop reads in: ShardSampler's for shards, a shuffle for files; None for the bounds."""
+    from trainaccel.data import RecordDataset, ShardSampler
+
+    if isinstance(dataset, RecordDataset):
+        return ShardSampler(dataset, num_replicas=1, rank=0, seed=seed)
+    if (
+        isinstance(dataset, (DecodeDataset, RemoteFileDataset))
+        and dataset.items
+        and not isinstance(dataset.items[0][0], bytes)
+    ):
+        return torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    return None
+
+
+def images_per_second(
+    dataset: torch.utils.data.Dataset, workers: int, batch_size: int, seed: int = 0
+) -> tuple[float, float]:
+    """One pass in training order: images/s from the first batch to the last, and the seconds to the first batch.
 
     Starting the workers (about 0.15 s here) is a fixed cost per loader, not throughput; counted
     in, it would weigh on a 2-second pass of a fast arm ten times more than on a baseline's.
     """
     start = time.perf_counter()
-    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers))
+    sampler = training_order(dataset, seed)
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers))
     first = len(next(batches)[1])
     started = time.perf_counter()
     rest = sum(len(labels) for _, labels in batches)
@@ -291,9 +309,9 @@ def measure(
                     if cache == "cold":
                         evict(files)
                     elif "cold" not in caches and not rates[arm]["warm"]:
-                        images_per_second(dataset, args.workers, args.batch_size)  # fill the cache first
+                        images_per_second(dataset, args.workers, args.batch_size, repeat)  # fill the cache first
                     # (warm after cold: the cold pass has just read every file into the cache)
-                    rate, seconds = images_per_second(dataset, args.workers, args.batch_size)
+                    rate, seconds = images_per_second(dataset, args.workers, args.batch_size, repeat)
                     rates[arm][cache].append(rate)
                     startup[arm][cache].append(seconds)
                     report.done(f"{rate:.0f} images/s")

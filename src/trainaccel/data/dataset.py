@@ -195,6 +195,20 @@ class RecordDataset(torch.utils.data.Dataset):
             label = self.target_transform(label)
         return image, label
 
+    def plan_reads(self, indices: list[int]) -> None:
+        """The order records will be read in (a sampler's, for this rank): each remote shard then
+        reads the next one ahead once it is read itself. Local shards need no plan."""
+        if self.store is None or not indices:
+            return
+        shards = np.searchsorted(np.asarray(self._ends), np.asarray(indices), side="right")
+        firsts = shards[np.concatenate(([True], shards[1:] != shards[:-1]))]
+        seen: dict[int, None] = dict.fromkeys(firsts.tolist())  # first appearances, in order
+        sequence = list(seen)
+        for shard in self.shards:
+            shard.source.next = None
+        for shard, following in zip(sequence, sequence[1:]):
+            self.shards[shard].source.next = self.shards[following].source
+
     def shard_ranges(self) -> list[tuple[int, int]]:
         """Each shard's [start, end) of dataset indices, for samplers that keep reads local."""
         starts = [0, *self._ends[:-1]]

@@ -48,10 +48,12 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.window, self.drop_last = shuffle, seed, window, drop_last
         self.epoch = 0
+        self._part: tuple[tuple[int, int], list[int]] | None = None  # ((epoch, seed), this rank's part)
         self._start = 0  # samples of this epoch's part already consumed (after load_state_dict)
         self._yielded = 0
         total = len(dataset)
         self.num_samples = total // num_replicas if drop_last else -(-total // num_replicas)
+        self._announce()
 
     def order(self) -> list[int]:
         """The whole epoch's order, before it is split over the ranks."""
@@ -70,11 +72,25 @@ class ShardSampler(torch.utils.data.Sampler[int]):
 
     def part(self) -> list[int]:
         """This rank's part of the epoch, from its start (ignoring a resume point)."""
+        if self._part is not None and self._part[0] == (self.epoch, self.seed):
+            return self._part[1]
         order = self.order()
         size = self.num_samples * self.num_replicas
         if size > len(order):
             order += (order * (-(-size // max(len(order), 1))))[: size - len(order)]
-        return order[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
+        part = order[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
+        self._part = ((self.epoch, self.seed), part)
+        return part
+
+    def _announce(self) -> None:
+        """Tell the dataset the order this rank reads the epoch in, so that remote shards are read ahead.
+
+        Loader workers started after this (at `iter(loader)`) know it; persistent workers keep the
+        order they started with, which costs read-ahead bandwidth in later epochs, never correctness.
+        """
+        plan = getattr(self.dataset, "plan_reads", None)
+        if plan is not None:
+            plan(self.part()[self._start :])
 
     def __iter__(self) -> Iterator[int]:
         start, self._start = self._start, 0  # a resume point holds for one pass
@@ -88,6 +104,7 @@ class ShardSampler(torch.utils.data.Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        self._announce()
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where to resume: after `consumed` samples of this rank's part (default: as many as were yielded).
@@ -106,3 +123,4 @@ class ShardSampler(torch.utils.data.Sampler[int]):
                 f"the sampler has seed {self.seed} on {self.num_replicas}"
             )
         self.epoch, self._start = state["epoch"], state["consumed"]
+        self._announce()

@@ -231,9 +231,9 @@ class BlockCache:
     def block(self, key: str, number: int, fetch: Any, rest: Any) -> memoryview:
         """Block `number` of shard `key`, fetched with `fetch()` when no process of this node has it yet.
 
-        When this process maps a block for the first time, the shard's other blocks (`rest()`:
-        (number, fetch) pairs, next ones first) are fetched ahead: a sampler's window reads a
-        shard's records in random order, so the whole shard is soon needed.
+        When this process maps a block for the first time, the blocks `rest()` lists (key, number,
+        fetch) are fetched ahead: the shard's others, since a sampler's window reads a shard's
+        records in random order, then the next shard's.
         """
         self._check_process()
         path = self.folder / key / f"block-{number:06d}"
@@ -248,8 +248,8 @@ class BlockCache:
                 while len(self._maps) > 64:  # mapped blocks per process; evicted files stay valid while mapped
                     self._maps.popitem(last=False)
             if self.prefetch:
-                for later, later_fetch in rest():
-                    self._read_ahead(self.folder / key / f"block-{later:06d}", later_fetch)
+                for later_key, later, later_fetch in rest():
+                    self._read_ahead(self.folder / later_key / f"block-{later:06d}", later_fetch)
         return memoryview(data)
 
     def _read_ahead(self, path: Path, fetch: Any) -> None:
@@ -349,6 +349,7 @@ class RemoteSource:
 
     def __init__(self, url: str, store: Store, cache: BlockCache, index: np.ndarray, block_size: int, tag: str = ""):
         self.url, self.store, self.cache, self.index = url, store, cache, index
+        self.next: RemoteSource | None = None  # the shard read after this one, from the sampler's plan
         self.starts = plan_blocks(index, block_size)
         end = int(index[-1, 0] + index[-1, 1]) if len(index) else 0
         # The cache key changes when the object does (size, or the manifest's checksum): no stale blocks.
@@ -382,8 +383,13 @@ class RemoteSource:
         """The framed bytes of record `number` (at `offset`, `size` long)."""
         block = int(np.searchsorted(self.starts, number, side="right")) - 1
 
-        def rest() -> list[tuple[int, Any]]:
-            return [(b, self._fetcher(b)) for b in [*range(block + 1, len(self.starts)), *range(block)]]
+        def rest() -> list[tuple[str, int, Any]]:
+            own = [(self.key, b, self._fetcher(b)) for b in [*range(block + 1, len(self.starts)), *range(block)]]
+            following = self.next  # then the next shard of the plan, so that its first read does not wait
+            after = (
+                [(following.key, b, following._fetcher(b)) for b in range(len(following.starts))] if following else []
+            )
+            return own + after
 
         data = self.cache.block(self.key, block, self._fetcher(block), rest)
         base = self._span(block)[0]
