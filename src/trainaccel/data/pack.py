@@ -328,6 +328,10 @@ def pack(
     if not items:
         raise PackError(f"nothing to pack from {source}")
     if is_url(out):
+        if str(out).lower().startswith(("http://", "https://")):
+            raise PackError(
+                f"cannot pack to {out}: HTTP is read-only; pack to a folder and serve it, or to s3://, gs://, az://"
+            )
         place: _Place = _RemotePlace(str(out), Store(str(out), storage_options))
     else:
         place = _Place(local_path(out))

@@ -88,9 +88,8 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         Loader workers started after this (at `iter(loader)`) know it; persistent workers keep the
         order they started with, which costs read-ahead bandwidth in later epochs, never correctness.
         """
-        plan = getattr(self.dataset, "plan_reads", None)
-        if plan is not None:
-            plan(self.part()[self._start :])
+        if getattr(self.dataset, "store", None) is not None:  # remote shards; local ones need no plan
+            self.dataset.plan_reads(self.part()[self._start :])
 
     def __iter__(self) -> Iterator[int]:
         start, self._start = self._start, 0  # a resume point holds for one pass
