@@ -11,7 +11,7 @@ from typing import Any
 from trainaccel.config import Config, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "__version__", "compile", "convert_sync_batchnorm", "init", "shutdown"]
+__all__ = ["Config", "ConfigError", "__version__", "compile", "convert_sync_batchnorm", "init", "shard", "shutdown"]
 
 
 def init(*, start_process_group: bool = True, **options: Any) -> Config:
@@ -40,3 +40,10 @@ def convert_sync_batchnorm(module: Any, scope: str = "global", process_group: An
     from trainaccel.batchnorm import convert_sync_batchnorm as _convert
 
     return _convert(module, scope, process_group)
+
+
+def shard(model: Any, mode: str = "full", **options: Any) -> Any:
+    """Shard a model with FSDP2 block by block, over all ranks or within each node (see `trainaccel.sharding.shard`)."""
+    from trainaccel.sharding import shard as _shard
+
+    return _shard(model, mode, **options)
