@@ -24,6 +24,7 @@ from pathlib import Path
 
 from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, EmulationError, why_not_emulated
 from trainaccel.config import Config, ConfigError
+from trainaccel.launch.watchdog import process_stat
 
 FAULTS = ("hang", "stop", "kill", "raise", "link-down", "master-dies", "slow")
 DESCRIPTIONS = {
@@ -64,7 +65,7 @@ class _Tree:
         parents: dict[int, tuple[int, str]] = {}
         for entry in os.scandir("/proc"):
             if entry.name.isdigit():
-                stat = _stat(int(entry.name))
+                stat = process_stat(int(entry.name))
                 if stat is not None:
                     parents[int(entry.name)] = (stat[1], stat[2])
         known = {pid: node for (pid, _), node in self.seen.items()}
@@ -83,20 +84,10 @@ class _Tree:
         """(pid, node) of the remembered processes still running (a zombie has ended)."""
         out = []
         for (pid, started), node in self.seen.items():
-            stat = _stat(pid)
+            stat = process_stat(pid)
             if stat is not None and stat[2] == started and stat[0] != "Z":
                 out.append((pid, node))
         return out
-
-
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(state, parent pid, start time) of a process, or None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[1]), fields[19]
 
 
 def run_fault(

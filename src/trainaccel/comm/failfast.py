@@ -319,17 +319,13 @@ def publish_failure(reason: Verdict | BaseException | str, store: Any = None) ->
     else:
         text = reason
     me = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    host, local_rank = worker_place()
-    failure = {
-        "rank": reason.rank if isinstance(reason, Verdict) else me,
-        "by": me,
-        "host": host,
-        "node": os.environ.get("GROUP_RANK"),
-        "local_rank": local_rank,
-        "reason": text[:1000],
-    }
-    if isinstance(reason, Verdict):
-        failure.update(host=None, local_rank=None, node=None)  # a verdict names its rank's place in the text
+    failure: dict[str, Any] = {"rank": me, "by": me, "host": None, "node": None, "local_rank": None}
+    if isinstance(reason, Verdict):  # a verdict about another rank names that rank's place in its text
+        failure["rank"] = reason.rank
+    else:
+        failure["host"], failure["local_rank"] = worker_place()
+        failure["node"] = os.environ.get("GROUP_RANK")
+    failure["reason"] = text[:1000]
     try:
         bounded(lambda: store.compare_set(_prefix() + "failure", "", json.dumps(failure)), 2 * HEARTBEAT_S)
     except Exception as e:  # the store is gone too: the peers find out from it

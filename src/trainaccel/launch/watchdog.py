@@ -86,11 +86,17 @@ class Watchdog:
         return said
 
 
+def process_stat(pid: int) -> tuple[str, int, str] | None:
+    """(state, parent pid, start time) of a process from /proc, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    return fields[0], int(fields[1]), fields[19]
+
+
 def _is_child(pid: int) -> bool:
     """Whether `pid` is a live child of this process (its workers are; a reused pid is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-    return fields[0] != "Z" and int(fields[1]) == os.getpid()
+    stat = process_stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[1] == os.getpid()
