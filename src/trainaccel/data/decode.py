@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 DECODE_OUTPUTS = ("pil", "tensor")
-_JPEG_MAGIC = b"\xff\xd8\xff"
+JPEG_MAGIC = b"\xff\xd8\xff"  # how every JPEG file starts
 
 
 def dct_factor(width: int, height: int, size: tuple[int, int] | None) -> int:
@@ -35,7 +35,7 @@ def decode_image(encoded: bytes, output: str = "tensor", size: tuple[int, int] |
         raise ValueError(f"invalid output={output!r}; accepted: {', '.join(DECODE_OUTPUTS)}")
     # Pillow keeps RGB images 4 bytes a pixel: decoded as RGBX, its copy in is a straight one (a third cheaper).
     colorspace = "RGBX" if output == "pil" else "RGB"
-    pixels = decode_jpeg(encoded, size, colorspace) if encoded[:3] == _JPEG_MAGIC else None
+    pixels = decode_jpeg(encoded, size, colorspace) if encoded[:3] == JPEG_MAGIC else None
     if pixels is None:
         return decode_pillow(encoded, output, size)
     if output == "pil":

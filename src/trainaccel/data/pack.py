@@ -25,12 +25,11 @@ import numpy as np
 
 from trainaccel.data.example import ImageRecord
 from trainaccel.data.records import RecordWriter, index_path
-from trainaccel.data.storage import Store, is_url, join, local_path
+from trainaccel.data.storage import BYTE_UNITS, Store, is_url, join, local_path
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 MANIFEST = "manifest.json"
 PLAN = "pack-plan.json"
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 class PackError(RuntimeError):
@@ -76,12 +75,12 @@ def parse_shard_size(text: str) -> tuple[str, int]:
     """`1000` is records per shard; `64MB`, `256MiB` (B, KB, MB, GB, KiB, MiB, GiB) is input bytes per shard."""
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
-    if not match or int(match.group(1)) < 1 or (unit and unit not in _UNITS):
+    if not match or int(match.group(1)) < 1 or (unit and unit not in BYTE_UNITS):
         raise ValueError(
             f"invalid shard size {text!r}; accepted: a record count (1000) or bytes with a unit "
-            f"({', '.join(u.upper().replace('I', 'i') for u in _UNITS)}), e.g. 64MB"
+            f"({', '.join(u.upper().replace('I', 'i') for u in BYTE_UNITS)}), e.g. 64MB"
         )
-    return ("bytes", int(match.group(1)) * _UNITS[unit]) if unit else ("records", int(match.group(1)))
+    return ("bytes", int(match.group(1)) * BYTE_UNITS[unit]) if unit else ("records", int(match.group(1)))
 
 
 def class_folders(img_dir: Path) -> list[str]:

@@ -29,7 +29,8 @@ import numpy as np
 # Errors that another try cannot fix: the object is not there, or we may not read it.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError)
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "http": "http"}
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+# Byte units for sizes given as text (block_size, cache_limit, pack --shard-size).
+BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 class StorageError(OSError):
@@ -66,7 +67,7 @@ def parse_bytes(value: int | str, what: str) -> int:
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(number) :].strip()
     try:
-        size = float(number) * _UNITS[unit or "b"]
+        size = float(number) * BYTE_UNITS[unit or "b"]
     except (ValueError, KeyError):
         size = 0
     if isinstance(value, bool) or size < 1:
@@ -215,7 +216,6 @@ class BlockCache:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: set[Path] = set()
-        self.downloaded = 0  # bytes this process fetched, for reports and tests
 
     def __getstate__(self) -> dict[str, Any]:
         return {"folder": self.folder, "limit": self.limit, "prefetch": self.prefetch}
@@ -287,7 +287,6 @@ class BlockCache:
                         continue
                     if data is None:
                         data = fetch()
-                        self.downloaded += len(data)
                     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
                     tmp.write_bytes(data)
                     os.replace(tmp, path)

@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainaccel.data.decode import dct_factor, decode_image
+from trainaccel.data.decode import JPEG_MAGIC, dct_factor, decode_image
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
 _DTYPES = (torch.uint8, torch.float32)
 LAYOUTS = ("chw", "hwc")
 
@@ -56,7 +55,7 @@ class _DecodingCrop:
         """The transformed image, straight from the stored bytes (JPEGs at a reduced DCT scale)."""
         import simplejpeg
 
-        if encoded[:3] == _JPEG_MAGIC:
+        if encoded[:3] == JPEG_MAGIC:
             try:
                 height, width, _, _ = simplejpeg.decode_jpeg_header(encoded)
             except ValueError:  # simplejpeg cannot read it: Pillow decodes it whole, below
