@@ -222,9 +222,13 @@ def run_checks(script: str | Path, out_dir: Path, workers: int, *args) -> list[d
 
 @pytest.fixture(autouse=True)
 def isolated_by_shutdown():
-    """Each test leaves torch as trainaccel found it: whatever init() or a feature changed is undone after it."""
+    """Each test leaves torch and the environment as trainaccel found them: init()'s changes undone, and the
+    TRAINACCEL_* variables an in-process `trainaccel run` exports for its workers removed."""
+    environment = dict(os.environ)
     yield
     trainaccel.shutdown()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @pytest.fixture

@@ -285,6 +285,19 @@ class Config:
         "codec of the parameter change that sync_every's syncs average, with error feedback where lossy "
         "(int8 and fp4: per block of 256 values, one float32 scale)",
     )
+    shard: str = _option(
+        "off",
+        _choice("off", "full", "hybrid"),
+        "shard every DDP model with FSDP2 instead (parameters, gradients and optimizer state split across ranks): "
+        "full over every rank; hybrid within each node, whole replicas reduced across nodes (where compression "
+        "fp16 or bf16 applies)",
+    )
+    shard_min_params: int = _option(
+        1_000_000,
+        _number(int, 1, float("inf")),
+        "under shard, each submodule holding at least this many parameters (not in a smaller one) is gathered "
+        "and freed on its own; the rest with the root",
+    )
     autotune: str = _option(
         "off",
         _choice("off", "on", booleans=("on", "off")),
@@ -449,6 +462,8 @@ class Config:
                     config.sync_overlap,
                     f"at most sync_every={every}: a fragment's sync is applied by the time its next one starts",
                 )
+        if config.shard != "off":
+            _check_shard(config)
         if config.sync_every:
             # These act on the per-step gradient exchange, which sync_every switches off: refused, not ignored.
             per_step = {"compression": "none", "local_steps": 1, "autotune": "off"}
@@ -489,3 +504,33 @@ def env_setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
     if name not in ENV_SETTINGS:
         raise KeyError(f"unknown trainaccel setting {name!r}; known: {', '.join(ENV_SETTINGS)}")
     return (os.environ if env is None else env).get(Config.env_name(name)) or None
+
+
+# Under shard, FSDP2 reduces the gradients: options of DDP's gradient exchange are refused, each with why.
+_SHARD_ACCEPTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "intra_compression": (("none",), "FSDP2 reduces within a node"),
+    "hierarchical": (("auto", "off"), "shard=hybrid is the two-level form"),
+    "sync_every": ((0,), "not built for sharded models yet"),
+    "local_steps": ((1,), "use the script's no_sync()"),
+    "autotune": (("off",), "it times DDP's reductions"),
+    "bucket_mb": ((None,), "FSDP2 reduces block by block, sized by shard_min_params"),
+    "amp": (("off", "bf16"), "bf16 is FSDP2's MixedPrecisionPolicy; fp16 would need loss scaling"),
+    "amp_policy": (("always",), "FSDP2's precision is fixed when the model is sharded"),
+    "compile": (("off",), "not built for sharded models yet"),
+    "nan_check": (("off",), "it checks DDP's buckets"),
+    "metrics_every": ((0,), "it measures DDP's steps"),
+    "straggler_every": ((0,), "it times DDP's gradient exchange"),
+    "timeline": ((None,), "it traces DDP's buckets"),
+}
+
+
+def _check_shard(config: Config) -> None:
+    codecs = ("none", "fp16", "bf16") if config.shard == "hybrid" else ("none",)
+    if config.compression not in codecs:
+        why = "the cross-node sum of whole gradient shards" if config.shard == "hybrid" else "use shard=hybrid"
+        raise ConfigError("compression", config.compression, f"{', '.join(codecs)} with shard={config.shard} ({why})")
+    for option, (accepted, why) in _SHARD_ACCEPTS.items():
+        value = getattr(config, option)
+        if value not in accepted:
+            shown = ", ".join("empty" if a is None else str(a) for a in accepted)
+            raise ConfigError(option, value, f"{shown} with shard={config.shard} ({why})")

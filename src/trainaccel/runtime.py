@@ -39,6 +39,10 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
 
     previous = current_config()
     patch_ddp(config)
+    if config.shard != "off":
+        from trainaccel.sharding import install
+
+        install(config)
     if config != previous:
         if context.rank() == 0:
             log.info("trainaccel config: %s", config.describe())

@@ -8,8 +8,25 @@ parameters not already in a smaller block, found bottom-up; the root takes the r
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import datetime
+import functools
+import inspect
 import os
+import weakref
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from trainaccel import context
+from trainaccel.config import Config
+from trainaccel.context import current_config
+from trainaccel.observer import watch_optimizer_steps
 
 MODES = ("full", "hybrid")
 _SPARSE = ("Embedding", "EmbeddingBag")
@@ -95,10 +112,12 @@ def shard(
     min_params: int = 1_000_000,
     mp_policy: Any = None,
     reshard_after_forward: bool = True,
+    compression: str = "none",
 ) -> Any:
     """Shard `model` in place with `fully_shard`, block by block then the root; returns it (now an FSDP module).
 
-    `mesh` overrides the one `mode` makes; `mp_policy` is FSDP2's MixedPrecisionPolicy.
+    `mesh` overrides the one `mode` makes; `mp_policy` is FSDP2's MixedPrecisionPolicy. `compression` (hybrid
+    only: fp16, bf16) sums the gradient shards across nodes through trainaccel's codec (`comm.register_fsdp`).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -106,13 +125,267 @@ def shard(
         raise ValueError(f"invalid mode={mode!r}; accepted: {', '.join(MODES)}")
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
         raise ValueError(f"invalid min_params={min_params!r}; accepted: an integer >= 1 (parameters per block)")
+    if compression != "none" and mode != "hybrid":
+        raise ValueError(
+            f"invalid compression={compression!r} with mode={mode!r}; accepted: none (a codec applies to the "
+            "cross-node sum of mode='hybrid')"
+        )
     _check_shardable(model)
     chosen = blocks(model, min_params)
     if mesh is None:
         mesh = device_mesh(mode)
+    replicas = None
+    if compression != "none":
+        if mesh.ndim != 2:
+            raise ValueError(f"compression={compression!r} needs a 2-D mesh (replicate, shard); got {mesh.ndim}-D")
+        # FSDP2 reduces within the node only; the cross-node sum is trainaccel's (register_fsdp).
+        mesh, replicas = mesh["shard"], mesh["replicate"].get_group()
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
     for _, module in chosen:
         fully_shard(module, **options)
-    return fully_shard(model, **options)
+    sharded = fully_shard(model, **options)
+    if replicas is not None:
+        from trainaccel.comm.fsdp import register_fsdp
+
+        register_fsdp(sharded, replicas, compression=compression)
+    return sharded
+
+
+# -- zero-code: `trainaccel run --shard full|hybrid` -------------------------------------------------------------
+
+
+class ShardedDataParallel(DistributedDataParallel):
+    """What `DistributedDataParallel(model, ...)` builds under `shard=full|hybrid`: `model` sharded with FSDP2.
+
+    It keeps DDP's face: `.module`, forward, `no_sync()`, and `state_dict()`/`load_state_dict()` with DDP's keys
+    (a full state dict, on rank 0; loading takes rank 0's and broadcasts it).
+    """
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        config = current_config()
+        bound = _DDP_SIGNATURE.bind(self, module, *args, **kwargs).arguments
+        bound.pop("self")
+        _refuse_ddp_arguments(bound, config.shard)
+        torch.nn.Module.__init__(self)
+        _broadcast_from_rank0(module)  # DDP starts every replica from rank 0's values; FSDP2 does not
+        before = dict(module.named_parameters())
+        self.module = shard(
+            module,
+            config.shard,
+            mp_policy=_mp_policy(config),
+            compression=config.compression,
+            min_params=config.shard_min_params,
+        )
+        _remember_replaced(before, dict(module.named_parameters()))
+        _full_state_dicts(self.module)
+        self.broadcast_buffers = bound.get("broadcast_buffers", True)
+        self.find_unused_parameters = bound.get("find_unused_parameters", False)
+        self.device_ids = bound.get("device_ids")
+        self.dim = bound.get("dim", 0)
+        self.shard_mode = config.shard
+        _live.add(self)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.training and torch.is_grad_enabled():
+            for buffer in self.module.buffers():  # as DDP: every replica's buffers (BatchNorm's statistics) rank 0's
+                dist.broadcast(buffer, 0)
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        """Gradients accumulate unreduced (unsharded, in full) until the first backward outside the block."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise ShardError(
+            f"register_comm_hook: under shard={self.shard_mode} FSDP2 reduces the gradients, not DDP; use "
+            "compression (hybrid) for trainaccel's codecs, or shard=off for a DDP hook"
+        )
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise ShardError(f"join(): uneven inputs are not supported under shard={self.shard_mode}; use shard=off")
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        inner = {key.removeprefix("module."): value for key, value in state_dict.items()}
+        return self.module.load_state_dict(inner, strict=strict, assign=assign)
+
+
+_DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
+# DDP arguments FSDP2 has no counterpart for: each refused with why, rather than ignored.
+_UNSUPPORTED = {
+    "process_group": "a group other than the default one (sharding spans the default group)",
+    "device_mesh": "a DDP device mesh (sharding builds its own)",
+    "mixed_precision": "DDP's own mixed precision (use amp=bf16: FSDP2's MixedPrecisionPolicy)",
+    "delay_all_reduce_named_params": "delayed all-reduces",
+    "param_to_hook_all_reduce": "delayed all-reduces",
+}
+_live: weakref.WeakSet[ShardedDataParallel] = weakref.WeakSet()
+# id(a parameter fully_shard replaced) -> (a weak reference to it, its sharded replacement)
+_replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+
+
+def _refuse_ddp_arguments(bound: dict[str, Any], mode: str) -> None:
+    for name, why in _UNSUPPORTED.items():
+        value = bound.get(name)
+        if value is not None and not (name == "process_group" and value is dist.group.WORLD):
+            raise ShardError(f"DistributedDataParallel({name}=...) under shard={mode}: not supported: {why}")
+
+
+def _mp_policy(config: Config) -> Any:
+    if config.amp == "off":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # Computation and the gathers in bf16; gradients reduced and kept in float32, as autocast keeps them.
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _broadcast_from_rank0(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, 0)
+
+
+def _remember_replaced(before: dict[str, torch.nn.Parameter], after: dict[str, torch.nn.Parameter]) -> None:
+    for name, old in before.items():
+        if after[name] is not old:
+            _replaced[id(old)] = (weakref.ref(old), after[name])
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer built on the parameters before sharding steps the sharded ones instead (before its first step)."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, parameter in enumerate(params):
+            entry = _replaced.get(id(parameter))
+            if entry is None or entry[0]() is not parameter:
+                continue
+            if optimizer.state.get(parameter):
+                raise ShardError(
+                    f"{type(optimizer).__name__} holds state for a parameter that sharding replaced (it stepped, or "
+                    "loaded its state, before DistributedDataParallel(model) was built): build the optimizer, or "
+                    "load its state, after the model is wrapped"
+                )
+            params[i] = entry[1]
+
+
+def _full_state_dicts(module: torch.nn.Module) -> None:
+    """`module.state_dict()` / `load_state_dict()`: the full state dict on rank 0 (torch's DCP helpers)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    cls = type(module)
+    inside = [False]  # torch's helpers call module.state_dict() themselves: that call is the class's own
+
+    def state_dict(*args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        if inside[0]:
+            return cls.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        _all_ranks("state_dict()")
+        inside[0] = True
+        try:
+            full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        finally:
+            inside[0] = False
+        destination = collections.OrderedDict() if destination is None else destination
+        for key, value in full.items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if inside[0]:
+            return cls.load_state_dict(module, state_dict, strict=strict, assign=assign)
+        _all_ranks("load_state_dict()")
+        inside[0] = True
+        try:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+            # A copy: torch's helper puts the loaded shards into the dict it is given.
+            return set_model_state_dict(module, dict(state_dict), options=options)
+        finally:
+            inside[0] = False
+
+    module.state_dict = state_dict
+    module.load_state_dict = load_state_dict
+
+
+def _all_ranks(what: str) -> None:
+    """Gathering or scattering a sharded model needs every rank: one that calls alone fails here, loudly."""
+    config = current_config()
+    # Before the peers' own collective timeout (they wait in this rank's next gather): the cause is named first.
+    timeout = 0.9 * (config.collective_timeout if config is not None else Config().collective_timeout)
+    try:
+        dist.monitored_barrier(_side_group(), timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise ShardError(
+            f"{what} of a sharded model gathers from every rank, and not every rank called it within {timeout:.0f} s "
+            f"(call it on every rank; save on rank 0 only): {str(e).splitlines()[0]}"
+        ) from None
+
+
+def _side_group() -> Any:
+    """A Gloo group for `_all_ranks`' barrier, apart from the group whose collectives shard and gather."""
+    global _side
+    if _side is None:
+        _side = dist.new_group(backend="gloo")
+    return _side
+
+
+_side: Any = None
+
+
+def full_parameters(module: torch.nn.Module) -> None:
+    """Replace every sharded parameter of `module` by a plain one holding the whole value (collective)."""
+    with torch.no_grad():
+        for name, parameter in list(module.named_parameters()):
+            if isinstance(parameter, DTensor):
+                owner_name, _, leaf = name.rpartition(".")
+                whole = torch.nn.Parameter(parameter.full_tensor(), requires_grad=parameter.requires_grad)
+                setattr(module.get_submodule(owner_name), leaf, whole)
+
+
+def install(config: Config) -> None:
+    """Every `DistributedDataParallel(model)` built from now on is a ShardedDataParallel (undone by shutdown)."""
+    if not context.first_time("DDP sharding"):
+        return
+
+    original = DistributedDataParallel.__init__  # torch's, or the DDP patch's (which adds trainaccel's hook)
+
+    @functools.wraps(original)
+    def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        config = current_config()
+        if type(self) is DistributedDataParallel and config is not None and config.shard != "off":
+            object.__setattr__(self, "__class__", ShardedDataParallel)  # a subclass: isinstance(model, DDP) holds
+            ShardedDataParallel.__init__(self, *args, **kwargs)
+        else:
+            original(self, *args, **kwargs)
+
+    context.patch(DistributedDataParallel, "__init__", __init__)
+    watch_optimizer_steps(before=_rebind_optimizer)
+    destroy = distributed_c10d.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        global _side
+        if group is None or group is dist.group.WORLD:
+            # The script may read its model after this: every parameter whole again while a group remains.
+            for wrapper in list(_live):
+                _all_ranks("destroy_process_group()")
+                full_parameters(wrapper.module)
+            _live.clear()
+            _side = None
+        return destroy(group)
+
+    context.patch(distributed_c10d, "destroy_process_group", destroy_process_group)
+    context.patch(dist, "destroy_process_group", destroy_process_group)
+    context.on_undo("sharding", _forget)
+
+
+def _forget() -> None:
+    global _side
+    _replaced.clear()
+    _live.clear()
+    _side = None

@@ -1,0 +1,67 @@
+"""A plain DDP script with no trainaccel import: AdamW, a checkpoint saved or loaded, the parameters read after.
+
+Argv: OUT_DIR [--steps N] [--save PATH] [--load PATH] [--optimizer-first] [--rank0-save]. Each rank trains on
+its own batches; rank 0 saves `model.state_dict()` (computed on every rank, or with --rank0-save on rank 0 only,
+the pattern sharding cannot serve). Writes per rank its losses and its parameters, read after
+destroy_process_group().
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out_dir", type=Path)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--save")
+parser.add_argument("--load")
+parser.add_argument("--optimizer-first", action="store_true", help="build the optimizer before wrapping the model")
+parser.add_argument("--rank0-save", action="store_true")
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(rank)  # replicas start from different values: DDP starts them all from rank 0's
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+if args.optimizer_first:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ddp = DDP(model)
+if not args.optimizer_first:
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+if args.load:
+    ddp.load_state_dict(torch.load(args.load))
+generator = torch.Generator().manual_seed(100 + rank)
+losses = []
+for _ in range(args.steps):
+    x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 4, generator=generator)
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+if args.save:
+    if args.rank0_save:
+        if rank == 0:
+            torch.save(ddp.state_dict(), args.save)
+    else:
+        state = ddp.state_dict()
+        if rank == 0:
+            torch.save(state, args.save)
+    dist.barrier()
+kind = type(ddp).__name__
+mesh = getattr(next(ddp.parameters()), "device_mesh", None)  # a sharded parameter's mesh (a DTensor's)
+dist.destroy_process_group()
+params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+result = {
+    "losses": losses,
+    "params": params.tolist(),
+    "kind": kind,
+    "param_type": type(next(model.parameters())).__name__,
+    "mesh": None if mesh is None else list(mesh.shape),
+}
+(args.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
