@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import trainaccel
 from conftest import SCRIPTS, read_ranks, run, run_nodes, torchrun_cmd, trainaccel_cmd
 from trainaccel import Config, ConfigError
-from trainaccel.sharding import ShardedDataParallel, ShardError, blocks, shard
+from trainaccel.sharding import ShardedDataParallel, ShardError, blocks, native_state_dicts, shard
 
 
 def mlp(*widths):
@@ -109,6 +110,9 @@ def test_ddp_becomes_sharded_under_init_and_plain_again_after_shutdown(one_rank)
     state = ddp.state_dict()
     assert sorted(state) == sorted(f"module.{k}" for k in mlp(4, 8, 2).state_dict())
     assert type(state["module.0.weight"]) is torch.Tensor
+    with native_state_dicts():  # on request: FSDP2's own sharded form, as torch.distributed.checkpoint takes it
+        sharded = get_model_state_dict(ddp.module)
+    assert sorted(sharded) == sorted(mlp(4, 8, 2).state_dict()) and type(sharded["0.weight"]).__name__ == "DTensor"
     state["module.0.weight"] = torch.zeros(8, 4)
     assert not ddp.load_state_dict(state).missing_keys
     assert torch.equal(ddp.module[0].weight.full_tensor(), torch.zeros(8, 4))

@@ -185,7 +185,7 @@ class ShardedDataParallel(DistributedDataParallel):
         self.device_ids = bound.get("device_ids")
         self.dim = bound.get("dim", 0)
         self.shard_mode = config.shard
-        _live.add(self)
+        _live.append(weakref.ref(module))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
@@ -225,7 +225,8 @@ _UNSUPPORTED = {
     "delay_all_reduce_named_params": "delayed all-reduces",
     "param_to_hook_all_reduce": "delayed all-reduces",
 }
-_live: weakref.WeakSet[ShardedDataParallel] = weakref.WeakSet()
+# The sharded modules, made whole at the end: in the order they were built, the same on every rank.
+_live: list[weakref.ref] = []
 # id(a parameter fully_shard replaced) -> (a weak reference to it, its sharded replacement)
 _replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
 
@@ -283,7 +284,7 @@ def _full_state_dicts(module: torch.nn.Module) -> None:
     inside = [False]  # torch's helpers call module.state_dict() themselves: that call is the class's own
 
     def state_dict(*args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        if inside[0]:
+        if inside[0] or _native:
             return cls.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         _all_ranks("state_dict()")
         inside[0] = True
@@ -297,7 +298,7 @@ def _full_state_dicts(module: torch.nn.Module) -> None:
         return destination
 
     def load_state_dict(state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        if inside[0]:
+        if inside[0] or _native:
             return cls.load_state_dict(module, state_dict, strict=strict, assign=assign)
         _all_ranks("load_state_dict()")
         inside[0] = True
@@ -310,6 +311,20 @@ def _full_state_dicts(module: torch.nn.Module) -> None:
 
     module.state_dict = state_dict
     module.load_state_dict = load_state_dict
+
+
+_native: list[bool] = []  # non-empty within native_state_dicts()
+
+
+@contextlib.contextmanager
+def native_state_dicts() -> Any:
+    """Within the block, a zero-code sharded module's state_dict()/load_state_dict() are FSDP2's own (DTensor
+    shards), e.g. for `torch.distributed.checkpoint` through `get_model_state_dict(model.module)`."""
+    _native.append(True)
+    try:
+        yield
+    finally:
+        _native.pop()
 
 
 def _all_ranks(what: str) -> None:
@@ -372,9 +387,9 @@ def install(config: Config) -> None:
         global _side
         if group is None or group is dist.group.WORLD:
             # The script may read its model after this: every parameter whole again while a group remains.
-            for wrapper in list(_live):
+            for module in filter(None, (ref() for ref in _live)):
                 _all_ranks("destroy_process_group()")
-                full_parameters(wrapper.module)
+                full_parameters(module)
             _live.clear()
             _side = None
         return destroy(group)

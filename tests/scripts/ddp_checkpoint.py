@@ -8,6 +8,7 @@ destroy_process_group().
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +56,11 @@ if args.save:
     dist.barrier()
 kind = type(ddp).__name__
 mesh = getattr(next(ddp.parameters()), "device_mesh", None)  # a sharded parameter's mesh (a DTensor's)
+# As DDP scripts end on torch 2.13's CPU Gloo (else a worker can abort at exit): the last collectives
+# finished, the DDP model dropped, a moment for Gloo's threads, then the group.
+dist.barrier()
+del ddp, optimizer
+time.sleep(0.05)
 dist.destroy_process_group()
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 result = {

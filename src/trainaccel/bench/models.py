@@ -113,6 +113,16 @@ class WideMLP(nn.Sequential):
         )
 
 
+class DeepMLP(nn.Sequential):
+    """A model of many equal blocks, as a transformer is (~105M parameters): what sharding is measured on."""
+
+    def __init__(self, in_features: int = 1024, width: int = 2048, depth: int = 24, num_classes: int = 1000):
+        layers: list[nn.Module] = [nn.Linear(in_features, width), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        super().__init__(*layers, nn.Linear(width, num_classes))
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchModel:
     """A model for `trainaccel bench` and the shape of one synthetic example for it."""
@@ -135,6 +145,7 @@ MODELS: dict[str, BenchModel] = {
             "resnext50_32x4d", lambda: ResNet(Bottleneck, [3, 4, 6, 3], groups=32, width_per_group=4), image=True
         ),
         BenchModel("mlp", WideMLP, image=False),
+        BenchModel("deep-mlp", DeepMLP, image=False),
     )
 }
 

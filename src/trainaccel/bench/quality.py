@@ -162,7 +162,7 @@ def render(summary: dict[str, dict], title: str, metric: str) -> None:
             f"{s['validation_accuracy']:.1%}",
             "-" if local else ("not reached" if to_target is None and delta is not None else f"{to_target:.1f} s"),
             "-" if local or s.get("speedup_to_target") is None else f"{s['speedup_to_target']:.2f}x",
-            f"{s['bytes_per_step'] / 2**20:.2f} MiB",
+            "-" if s["bytes_per_step"] is None else f"{s['bytes_per_step'] / 2**20:.2f} MiB",
         )
     Console(width=max(120, Console().width)).print(table)
 

@@ -18,7 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.amp import scaled
 from trainaccel.bench.tasks import get_task, warmup_cosine
-from trainaccel.bench.worker import ARMS, release_process_group, sent_per_step, set_up_arm, start_process_group
+from trainaccel.bench.worker import (
+    ARMS,
+    comm_hook,
+    release_process_group,
+    sent_per_step,
+    set_up_arm,
+    start_process_group,
+)
 from trainaccel.comm import bytes_sent, sync_replicas
 
 
@@ -94,7 +101,7 @@ def main() -> None:
             "final_validation_accuracy": curve[-1][3],
             "final_train_loss": train_loss,
             "bytes_per_step": sent,
-            "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
+            "comm_hook": comm_hook(model),
             "parameters": sum(p.numel() for p in model.parameters()),
         }
         with open(args.out, "w") as f:

@@ -168,6 +168,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "max": max(rates),
             "bytes_per_step": results[-1]["bytes_per_step"],
             "peak_memory_bytes": max(r["peak_memory_bytes"] for r in results),
+            "model_memory_bytes": max(
+                (r["model_memory_bytes"] for r in results if "model_memory_bytes" in r), default=None
+            ),
             "comm_hook": results[-1]["comm_hook"],
             "parameters": results[-1]["parameters"],
             "amp": results[-1]["amp"],
@@ -192,7 +195,9 @@ def render(summary: dict[str, dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    columns = ["arm", "examples/s per worker", "min - max", "vs baseline", "of local", "bytes sent/step", "peak memory"]
+    columns = ["arm", "examples/s per worker", "min - max", "vs baseline", "of local", "bytes sent/step"]
+    columns += ["peak memory", "model's memory", "final loss"]
+    base_memory = summary.get("baseline", {}).get("model_memory_bytes")
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right", no_wrap=column == "arm")
     for arm, s in summary.items():
@@ -203,10 +208,15 @@ def render(summary: dict[str, dict], title: str) -> None:
             f"{s['min']:.1f} - {s['max']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
             "-" if share is None else f"{share:.0%}",
-            f"{s['bytes_per_step'] / 2**20:.1f} MiB",
+            "-" if s["bytes_per_step"] is None else f"{s['bytes_per_step'] / 2**20:.1f} MiB",
             f"{s['peak_memory_bytes'] / 2**20:.0f} MiB",
+            "-"
+            if s["model_memory_bytes"] is None
+            else f"{s['model_memory_bytes'] / 2**20:.0f} MiB"
+            + (f" ({s['model_memory_bytes'] / base_memory:.0%})" if base_memory else ""),
+            f"{s['final_loss']:.4f}",
         )
-    Console(width=max(100, Console().width)).print(table)
+    Console(width=max(130, Console().width)).print(table)
 
 
 def main(args: argparse.Namespace) -> int:

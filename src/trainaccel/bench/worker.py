@@ -25,6 +25,7 @@ from trainaccel.bench.models import get_model
 from trainaccel.comm import bytes_per_step, bytes_sent
 from trainaccel.compiler import is_compiled
 from trainaccel.monitor.metrics import peak_memory_bytes
+from trainaccel.sharding import ShardedDataParallel
 
 ARMS = ("baseline", "torch-bf16", "torch-fp16", "trainaccel", "local")
 TORCH_HOOKS = {"torch-bf16": default_hooks.bf16_compress_hook, "torch-fp16": default_hooks.fp16_compress_hook}
@@ -50,13 +51,23 @@ def set_up_arm(model: DistributedDataParallel, arm: str) -> None:
         model.register_comm_hook(None, TORCH_HOOKS[arm])
 
 
-def sent_per_step(model: DistributedDataParallel, arm: str, sent_before: int, steps: int) -> float:
-    """Bytes each worker sent per step: nothing (local), half of every gradient (torch's hooks), or as measured."""
+def sent_per_step(model: DistributedDataParallel, arm: str, sent_before: int, steps: int) -> float | None:
+    """Bytes each worker sent per step: nothing (local), half of every gradient (torch's hooks), or as measured;
+    None for a sharded model, whose gathers and reduce-scatters FSDP2 issues uncounted."""
     if arm == "local":
         return 0.0
+    if isinstance(model, ShardedDataParallel):
+        return None
     if arm in TORCH_HOOKS:
         return float(sum(p.numel() * 2 for p in model.parameters() if p.requires_grad))
     return bytes_per_step(model, sent_before, steps)
+
+
+def comm_hook(model: DistributedDataParallel) -> str | None:
+    """The DDP model's communication hook by name, or `shard=MODE` for a sharded one."""
+    if isinstance(model, ShardedDataParallel):
+        return f"shard={model.shard_mode}"
+    return model._get_ddp_logging_data().get("comm_hook") or None
 
 
 def start_process_group() -> torch.device:
@@ -102,9 +113,9 @@ def timed_steps(
     return float(elapsed), loss
 
 
-def job_peak_memory(device: torch.device) -> int:
-    """The largest peak memory over the workers."""
-    peak = torch.tensor(float(peak_memory_bytes(device)), device=device)
+def job_peak_memory(device: torch.device, since: int = 0) -> int:
+    """The largest peak memory over the workers (less `since`, each worker's own reading before the model)."""
+    peak = torch.tensor(float(peak_memory_bytes(device) - since), device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
 
@@ -118,6 +129,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = get_model(args.model)
     torch.manual_seed(0)
+    before_model = peak_memory_bytes(device)  # the process's own memory: the model's comes on top
     model = DistributedDataParallel(
         spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
@@ -142,6 +154,7 @@ def main() -> None:
 
     elapsed, loss = timed_steps(step, args.steps, args.warmup, device, on_start)
     peak = job_peak_memory(device)
+    model_peak = job_peak_memory(device, since=before_model)
 
     if rank == 0:
         timed = args.steps - args.warmup
@@ -153,7 +166,8 @@ def main() -> None:
             "step_time_s": elapsed / timed,
             "bytes_per_step": sent_per_step(model, args.arm, sent_before, timed),
             "peak_memory_bytes": peak,
-            "comm_hook": model._get_ddp_logging_data().get("comm_hook") or None,
+            "model_memory_bytes": model_peak,
+            "comm_hook": comm_hook(model),
             "parameters": sum(p.numel() for p in model.parameters()),
             "final_loss": loss.item(),
             "amp": str(amp.dtype).removeprefix("torch.") if amp is not None else None,

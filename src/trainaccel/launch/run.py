@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_path:
             raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
         env = trainaccel_env(args)
+        if Config.resolve(env=env).shard != "off":
+            # After its first large free, glibc keeps freed blocks below 32 MiB in its heap (a dynamic mmap
+            # threshold): a sharded model's gathered blocks would stay resident. A fixed threshold gives them back.
+            env["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))
         if args.max_restarts > 0:
             # torchrun's agent shares one store with every attempt of the workers, and torch keys a plain
             # init_process_group by nothing that changes between attempts: a restarted group can read the
