@@ -130,6 +130,16 @@ def test_ddp_becomes_sharded_under_init_and_plain_again_after_shutdown(one_rank)
     assert type(torch.nn.parallel.DistributedDataParallel(mlp(4, 2))) is torch.nn.parallel.DistributedDataParallel
 
 
+def test_amp_bf16_under_shard_is_fsdp2s_mixed_precision(one_rank):
+    trainaccel.init(shard="full", amp="bf16", shard_min_params=10, start_process_group=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(mlp(4, 8, 2))
+    output = ddp(torch.ones(3, 4))
+    assert output.dtype == torch.bfloat16  # computed in bf16
+    output.float().sum().backward()
+    assert {p.dtype for p in ddp.parameters()} == {torch.float32}  # kept, and their gradients, in float32
+    assert {p.grad.dtype for p in ddp.parameters()} == {torch.float32}
+
+
 def test_an_optimizer_that_stepped_before_the_wrap_is_refused(one_rank):
     trainaccel.init(shard="full", start_process_group=False)
     model = mlp(4, 2)
@@ -153,34 +163,39 @@ def assert_same_training(sharded, reference, rel, mesh, params_abs=None):
 
 
 @pytest.mark.multiprocess
-def test_a_ddp_script_trains_under_shard_full_as_under_ddp(tmp_path):
-    script = SCRIPTS / "ddp_checkpoint.py"
+def test_parameters_unused_on_some_ranks_are_reduced_as_ddp_reduces_them(tmp_path):
+    script = SCRIPTS / "ddp_checkpoint.py"  # a head only rank 0 uses; DDP(find_unused_parameters=True)
     (tmp_path / "ddp").mkdir(), (tmp_path / "full").mkdir()
-    proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", 2, script, tmp_path / "ddp"])
+    proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", 2, script, tmp_path / "ddp", "--unused"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     command = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, "--shard", "full"]
-    proc = run([*command, script, tmp_path / "full", "--optimizer-first"], env={"TRAINACCEL_SHARD_MIN_PARAMS": "1000"})
+    proc = run([*command, script, tmp_path / "full", "--unused"], env={"TRAINACCEL_SHARD_MIN_PARAMS": "1000"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_same_training(read_ranks(tmp_path / "full", 2), read_ranks(tmp_path / "ddp", 2), 1e-5, [2])
 
 
 @pytest.mark.multiprocess
-def test_hybrid_on_two_nodes_trains_as_ddp_and_its_checkpoint_loads_into_ddp_at_another_size(tmp_path):
+def test_full_and_hybrid_on_two_nodes_train_as_ddp_and_a_hybrid_checkpoint_loads_into_ddp_at_another_size(tmp_path):
     script = SCRIPTS / "ddp_checkpoint.py"
-    for name in ("ddp", "hybrid", "fp16", "loaded"):
+    for name in ("ddp", "full", "hybrid", "fp16", "loaded"):
         (tmp_path / name).mkdir()
     proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", 4, script, tmp_path / "ddp"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = {"TRAINACCEL_SHARD_MIN_PARAMS": "1000", "TRAINACCEL_SHARD": "hybrid"}
     checkpoint = tmp_path / "hybrid.pt"
-    for name, extra in [("hybrid", {}), ("fp16", {"TRAINACCEL_COMPRESSION": "fp16"})]:
-        args = ["--save", checkpoint] if name == "hybrid" else []
+    runs = [
+        ("full", {"TRAINACCEL_SHARD": "full"}, ["--optimizer-first"]),  # its optimizer holds the unsharded ones
+        ("hybrid", {}, ["--save", checkpoint]),
+        ("fp16", {"TRAINACCEL_COMPRESSION": "fp16"}, []),
+    ]
+    for name, extra, args in runs:
         procs = run_nodes(script, tmp_path / name, *args, launcher=[*trainaccel_cmd(), "run"], env={**env, **extra})
         for proc in procs:
             assert proc.returncode == 0, proc.stdout + proc.stderr
         if name == "fp16":  # sharded within the node ([2]), the shards summed across nodes by trainaccel
             assert "gradient shards summed across 2 replicas in fp16" in procs[0].stdout
     reference = read_ranks(tmp_path / "ddp", 4)
+    assert_same_training(read_ranks(tmp_path / "full", 4), reference, 1e-5, [4])
     assert_same_training(read_ranks(tmp_path / "hybrid", 4), reference, 1e-5, [2, 2])  # FSDP2's own HSDP
     # fp16 across nodes: close, not equal; AdamW moves a weight by up to lr (1e-2) a step whatever its gradient.
     assert_same_training(read_ranks(tmp_path / "fp16", 4), reference, 2e-3, [2], params_abs=1e-2)

@@ -182,6 +182,9 @@ class ShardedDataParallel(DistributedDataParallel):
         _full_state_dicts(self.module)
         self.broadcast_buffers = bound.get("broadcast_buffers", True)
         self.find_unused_parameters = bound.get("find_unused_parameters", False)
+        if self.find_unused_parameters:
+            # As DDP: a parameter this rank's forward did not use is reduced with a zero gradient from it.
+            self.module.set_reduce_scatter_unused_params(True)
         self.device_ids = bound.get("device_ids")
         self.dim = bound.get("dim", 0)
         self.shard_mode = config.shard

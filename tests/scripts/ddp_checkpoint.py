@@ -1,6 +1,6 @@
 """A plain DDP script with no trainaccel import: AdamW, a checkpoint saved or loaded, the parameters read after.
 
-Argv: OUT_DIR [--steps N] [--save PATH] [--load PATH] [--optimizer-first] [--rank0-save]. Each rank trains on
+Argv: OUT_DIR [--steps N] [--save PATH] [--load PATH] [--optimizer-first] [--rank0-save] [--unused]. Each rank trains on
 its own batches; rank 0 saves `model.state_dict()` (computed on every rank, or with --rank0-save on rank 0 only,
 the pattern sharding cannot serve). Writes per rank its losses and its parameters, read after
 destroy_process_group().
@@ -23,15 +23,28 @@ parser.add_argument("--save")
 parser.add_argument("--load")
 parser.add_argument("--optimizer-first", action="store_true", help="build the optimizer before wrapping the model")
 parser.add_argument("--rank0-save", action="store_true")
+parser.add_argument("--unused", action="store_true", help="a head that only rank 0 uses (find_unused_parameters)")
 args = parser.parse_args()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, use_extra):
+        y = self.body(x)
+        return y + self.extra(y) if use_extra else y
+
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(rank)  # replicas start from different values: DDP starts them all from rank 0's
-model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+model = Net() if args.unused else nn.Sequential(*Net().body)
 if args.optimizer_first:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ddp = DDP(model)
+ddp = DDP(model, find_unused_parameters=args.unused)
 if not args.optimizer_first:
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
 if args.load:
@@ -41,7 +54,7 @@ losses = []
 for _ in range(args.steps):
     x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 4, generator=generator)
     optimizer.zero_grad()
-    loss = nn.functional.mse_loss(ddp(x), y)
+    loss = nn.functional.mse_loss(ddp(x, rank == 0) if args.unused else ddp(x), y)
     loss.backward()
     optimizer.step()
     losses.append(loss.item())
