@@ -130,6 +130,21 @@ def test_ddp_becomes_sharded_under_init_and_plain_again_after_shutdown(one_rank)
     assert type(torch.nn.parallel.DistributedDataParallel(mlp(4, 2))) is torch.nn.parallel.DistributedDataParallel
 
 
+def test_one_optimizer_over_two_models_wrapped_at_different_times_steps_both_sharded(one_rank):
+    trainaccel.init(shard="full", start_process_group=False)
+    first, second = mlp(4, 2), mlp(2, 2)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5)
+    a = torch.nn.parallel.DistributedDataParallel(first)
+    a(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # rebinds first's parameters
+    b = torch.nn.parallel.DistributedDataParallel(second)  # after the optimizer's first step
+    before = [p.full_tensor().clone() for p in b.parameters()]
+    b(a(torch.ones(1, 4))).sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(x, p.full_tensor()) for x, p in zip(before, b.parameters()))
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in [*a.parameters(), *b.parameters()]]
+
+
 def test_amp_bf16_under_shard_is_fsdp2s_mixed_precision(one_rank):
     trainaccel.init(shard="full", amp="bf16", shard_min_params=10, start_process_group=False)
     ddp = torch.nn.parallel.DistributedDataParallel(mlp(4, 8, 2))

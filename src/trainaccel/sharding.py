@@ -189,6 +189,8 @@ class ShardedDataParallel(DistributedDataParallel):
         self.dim = bound.get("dim", 0)
         self.shard_mode = config.shard
         _live.append(weakref.ref(module))
+        global _wraps
+        _wraps += 1
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
@@ -230,8 +232,11 @@ _UNSUPPORTED = {
 }
 # The sharded modules, made whole at the end: in the order they were built, the same on every rank.
 _live: list[weakref.ref] = []
-# id(a parameter fully_shard replaced) -> (a weak reference to it, its sharded replacement)
-_replaced: dict[int, tuple[weakref.ref, torch.nn.Parameter]] = {}
+# id(a parameter fully_shard replaced) -> weak references to it and to its sharded replacement
+_replaced: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_wraps = 0  # models sharded by the wrap so far in this process: optimizers are checked again after each
+# optimizer -> (_wraps, its param groups) when it was last checked
+_rebound: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
 def _refuse_ddp_arguments(bound: dict[str, Any], mode: str) -> None:
@@ -259,16 +264,22 @@ def _broadcast_from_rank0(module: torch.nn.Module) -> None:
 def _remember_replaced(before: dict[str, torch.nn.Parameter], after: dict[str, torch.nn.Parameter]) -> None:
     for name, old in before.items():
         if after[name] is not old:
-            _replaced[id(old)] = (weakref.ref(old), after[name])
+            key = id(old)
+            # Weak both ways: the entry goes with the old parameter, and holds no model alive.
+            _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)), weakref.ref(after[name]))
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer built on the parameters before sharding steps the sharded ones instead (before its first step)."""
+    checked = (_wraps, len(optimizer.param_groups))
+    if _rebound.get(optimizer) == checked:
+        return  # checked, and no model sharded nor group added since: nothing per step
     for group in optimizer.param_groups:
         params = group["params"]
         for i, parameter in enumerate(params):
             entry = _replaced.get(id(parameter))
-            if entry is None or entry[0]() is not parameter:
+            sharded = entry[1]() if entry is not None and entry[0]() is parameter else None
+            if sharded is None:
                 continue
             if optimizer.state.get(parameter):
                 raise ShardError(
@@ -276,7 +287,8 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer) -> None:
                     "loaded its state, before DistributedDataParallel(model) was built): build the optimizer, or "
                     "load its state, after the model is wrapped"
                 )
-            params[i] = entry[1]
+            params[i] = sharded
+    _rebound[optimizer] = checked
 
 
 def _full_state_dicts(module: torch.nn.Module) -> None:
@@ -405,5 +417,6 @@ def install(config: Config) -> None:
 def _forget() -> None:
     global _side
     _replaced.clear()
+    _rebound.clear()
     _live.clear()
     _side = None
