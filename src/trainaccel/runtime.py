@@ -42,7 +42,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     if config.shard != "off":
         from trainaccel.sharding import install
 
-        install(config)
+        install()
     if config != previous:
         if context.rank() == 0:
             log.info("trainaccel config: %s", config.describe())

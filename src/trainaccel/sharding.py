@@ -377,8 +377,9 @@ def full_parameters(module: torch.nn.Module) -> None:
                 setattr(module.get_submodule(owner_name), leaf, whole)
 
 
-def install(config: Config) -> None:
-    """Every `DistributedDataParallel(model)` built from now on is a ShardedDataParallel (undone by shutdown)."""
+def install() -> None:
+    """Every `DistributedDataParallel(model)` built from now on under `shard` is a ShardedDataParallel (undone by
+    shutdown; the config is read at each construction)."""
     if not context.first_time("DDP sharding"):
         return
 
@@ -402,8 +403,10 @@ def install(config: Config) -> None:
         global _side
         if group is None or group is dist.group.WORLD:
             # The script may read its model after this: every parameter whole again while a group remains.
-            for module in filter(None, (ref() for ref in _live)):
+            modules = [module for module in (ref() for ref in _live) if module is not None]
+            if modules:
                 _all_ranks("destroy_process_group()")
+            for module in modules:
                 full_parameters(module)
             _live.clear()
             _side = None
