@@ -49,7 +49,6 @@ def test_what_cannot_be_sharded_is_refused_with_one_line():
 REFUSED_UNDER_SHARD = {
     "intra_compression": "fp16",
     "hierarchical": "on",
-    "sync_every": 10,
     "local_steps": 2,
     "autotune": "on",
     "bucket_mb": 25.0,
@@ -70,6 +69,16 @@ def test_options_of_ddps_exchange_are_refused_under_shard(mode, option):
     Config.resolve(env={}, **{option: value})  # accepted without shard
     with pytest.raises(ConfigError, match=rf"invalid {option}={value!r}; accepted: .* with shard={mode} \("):
         Config.resolve(env={}, shard=mode, **{option: value})
+
+
+def test_sync_every_under_shard_is_for_hybrids_replicas():
+    assert Config.resolve(env={}, shard="hybrid", sync_every=10).sync_every == 10
+    with pytest.raises(ConfigError, match=r"invalid sync_every=10; accepted: 0 with shard=full \(no replicas to sync"):
+        Config.resolve(env={}, shard="full", sync_every=10)
+    with pytest.raises(ConfigError, match=r"invalid sync_warmup=5; accepted: 0 with shard=hybrid \(its steps would"):
+        Config.resolve(env={}, shard="hybrid", sync_every=10, sync_warmup=5)
+    with pytest.raises(ValueError, match=r"invalid sync_every=4 with mode='full', compression='none'; accepted: 0"):
+        shard(mlp(4, 4), "full", sync_every=4)
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "topk", "randomk", "powersgd"])
@@ -234,3 +243,38 @@ def test_a_state_dict_called_on_rank_0_only_fails_naming_the_cause(tmp_path):
     assert "state_dict() of a sharded model gathers from every rank, and not every rank called it" in (
         proc.stdout + proc.stderr
     )
+
+
+@pytest.mark.multiprocess
+def test_hybrid_with_sync_every_averages_the_replicas_across_nodes(tmp_path):
+    script = SCRIPTS / "ddp_checkpoint.py"
+    for name in ("ddp", "every1", "every3"):
+        (tmp_path / name).mkdir()
+    proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", 4, script, tmp_path / "ddp", "--sgd"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env = {"TRAINACCEL_SHARD_MIN_PARAMS": "1000", "TRAINACCEL_SHARD": "hybrid", "TRAINACCEL_OUTER_OPTIMIZER": "average"}
+    for name, every in [("every1", "1"), ("every3", "3")]:
+        procs = run_nodes(
+            script,
+            tmp_path / name,
+            "--sgd",
+            "--steps",
+            7,
+            launcher=[*trainaccel_cmd(), "run"],
+            env={**env, "TRAINACCEL_SYNC_EVERY": every},
+        )
+        for proc in procs:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Every step: each node steps on its own averaged gradient, then the nodes' parameters are averaged. With
+    # plain SGD that is DDP's step exactly (the mean of the steps is the step of the mean gradient).
+    reference = read_ranks(tmp_path / "ddp", 4)
+    every1 = read_ranks(tmp_path / "every1", 4)
+    for got, want in zip(every1, reference):
+        assert got["losses"][:6] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
+    # Every 3 steps, and the seventh step's change averaged at destroy_process_group(): the nodes' replicas
+    # differ between syncs (the losses), and every rank ends with the same, trained model.
+    every3 = read_ranks(tmp_path / "every3", 4)
+    assert every3[0]["params"] == every3[1]["params"] == every3[2]["params"] == every3[3]["params"]
+    assert every3[0]["losses"][3:] != pytest.approx(every1[0]["losses"][3:], rel=1e-4)
+    assert every3[0]["params"] != pytest.approx(every1[0]["params"], abs=1e-6)  # synced less often: another model
+    assert every3[0]["params"] == pytest.approx(every1[0]["params"], abs=0.05)  # ...near it (7 steps of lr 0.05)

@@ -510,7 +510,7 @@ def env_setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
 _SHARD_ACCEPTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "intra_compression": (("none",), "FSDP2 reduces within a node"),
     "hierarchical": (("auto", "off"), "shard=hybrid is the two-level form"),
-    "sync_every": ((0,), "not built for sharded models yet"),
+    "sync_warmup": ((0,), "its steps would need DDP's per-step exchange"),
     "local_steps": ((1,), "use the script's no_sync()"),
     "autotune": (("off",), "it times DDP's reductions"),
     "bucket_mb": ((None,), "FSDP2 reduces block by block, sized by shard_min_params"),
@@ -529,6 +529,8 @@ def _check_shard(config: Config) -> None:
     if config.compression not in codecs:
         why = "the cross-node sum of whole gradient shards" if config.shard == "hybrid" else "use shard=hybrid"
         raise ConfigError("compression", config.compression, f"{', '.join(codecs)} with shard={config.shard} ({why})")
+    if config.sync_every and config.shard != "hybrid":
+        raise ConfigError("sync_every", config.sync_every, "0 with shard=full (no replicas to sync: use shard=hybrid)")
     for option, (accepted, why) in _SHARD_ACCEPTS.items():
         value = getattr(config, option)
         if value not in accepted:

@@ -113,11 +113,13 @@ def shard(
     mp_policy: Any = None,
     reshard_after_forward: bool = True,
     compression: str = "none",
+    sync_every: int = 0,
 ) -> Any:
     """Shard `model` in place with `fully_shard`, block by block then the root; returns it (now an FSDP module).
 
     `mesh` overrides the one `mode` makes; `mp_policy` is FSDP2's MixedPrecisionPolicy. `compression` (hybrid
-    only: fp16, bf16) sums the gradient shards across nodes through trainaccel's codec (`comm.register_fsdp`).
+    only: fp16, bf16) sums the gradient shards across nodes through trainaccel's codec (`comm.register_fsdp`);
+    `sync_every` (hybrid only) instead averages the replicas across nodes every N optimizer steps (DiLoCo).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -130,15 +132,20 @@ def shard(
             f"invalid compression={compression!r} with mode={mode!r}; accepted: none (a codec applies to the "
             "cross-node sum of mode='hybrid')"
         )
+    if sync_every and (mode != "hybrid" or compression != "none"):
+        raise ValueError(
+            f"invalid sync_every={sync_every!r} with mode={mode!r}, compression={compression!r}; accepted: 0, or "
+            "sync_every with mode='hybrid' and no compression (it replaces the per-step cross-node sum)"
+        )
     _check_shardable(model)
     chosen = blocks(model, min_params)
     if mesh is None:
         mesh = device_mesh(mode)
     replicas = None
-    if compression != "none":
+    if compression != "none" or sync_every:
         if mesh.ndim != 2:
-            raise ValueError(f"compression={compression!r} needs a 2-D mesh (replicate, shard); got {mesh.ndim}-D")
-        # FSDP2 reduces within the node only; the cross-node sum is trainaccel's (register_fsdp).
+            raise ValueError(f"compression and sync_every need a 2-D mesh (replicate, shard); got {mesh.ndim}-D")
+        # FSDP2 reduces within the node only; across nodes, trainaccel's codec or DiLoCo's syncs.
         mesh, replicas = mesh["shard"], mesh["replicate"].get_group()
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -146,7 +153,11 @@ def shard(
     for _, module in chosen:
         fully_shard(module, **options)
     sharded = fully_shard(model, **options)
-    if replicas is not None:
+    if replicas is not None and sync_every:
+        from trainaccel.comm.diloco import DiLoCo
+
+        DiLoCo(sharded, sync_every=sync_every, process_group=replicas)  # kept by the module's hooks
+    elif replicas is not None:
         from trainaccel.comm.fsdp import register_fsdp
 
         register_fsdp(sharded, replicas, compression=compression)
@@ -177,6 +188,7 @@ class ShardedDataParallel(DistributedDataParallel):
             mp_policy=_mp_policy(config),
             compression=config.compression,
             min_params=config.shard_min_params,
+            sync_every=config.sync_every,
         )
         _remember_replaced(before, dict(module.named_parameters()))
         _full_state_dicts(self.module)

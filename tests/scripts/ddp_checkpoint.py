@@ -1,12 +1,14 @@
 """A plain DDP script with no trainaccel import: AdamW, a checkpoint saved or loaded, the parameters read after.
 
-Argv: OUT_DIR [--steps N] [--save PATH] [--load PATH] [--optimizer-first] [--rank0-save] [--unused]. Each rank trains on
+Argv: OUT_DIR [--steps N] [--save PATH] [--load PATH] [--optimizer-first] [--rank0-save] [--unused] [--sgd]. Each rank
+trains on
 its own batches; rank 0 saves `model.state_dict()` (computed on every rank, or with --rank0-save on rank 0 only,
 the pattern sharding cannot serve). Writes per rank its losses and its parameters, read after
 destroy_process_group().
 """
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ parser.add_argument("--load")
 parser.add_argument("--optimizer-first", action="store_true", help="build the optimizer before wrapping the model")
 parser.add_argument("--rank0-save", action="store_true")
 parser.add_argument("--unused", action="store_true", help="a head that only rank 0 uses (find_unused_parameters)")
+parser.add_argument("--sgd", action="store_true", help="plain SGD instead of AdamW")
 args = parser.parse_args()
 
 
@@ -42,11 +45,12 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(rank)  # replicas start from different values: DDP starts them all from rank 0's
 model = Net() if args.unused else nn.Sequential(*Net().body)
+Optimizer = functools.partial(torch.optim.SGD, lr=0.05) if args.sgd else functools.partial(torch.optim.AdamW, lr=1e-2)
 if args.optimizer_first:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = Optimizer(model.parameters())
 ddp = DDP(model, find_unused_parameters=args.unused)
 if not args.optimizer_first:
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    optimizer = Optimizer(ddp.parameters())
 if args.load:
     ddp.load_state_dict(torch.load(args.load))
 generator = torch.Generator().manual_seed(100 + rank)

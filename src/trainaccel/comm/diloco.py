@@ -62,7 +62,7 @@ class _Fragment:
 
     __slots__ = {
         "index": "position among the fragments: its error-feedback key and its step within each round",
-        "params": "its parameters: a contiguous run of the model's, about 1/F of the elements",
+        "params": "its parameters (a sharded one's own shard): a contiguous run of the model's, about 1/F of them",
         "buffers": "floating-point buffers averaged with its syncs (the last fragment holds them all)",
         "anchors": "float32 parameters after its last regular sync (None until the first inner step)",
         "outer": "torch.optim.SGD over the anchors (None for average)",
@@ -174,7 +174,7 @@ class DiLoCo:
                 "trainable parameter tensors (a fragment holds whole tensors)"
             )
         self._fragments = [
-            _Fragment(i, params, buffers if i == config.sync_fragments - 1 else [])
+            _Fragment(i, [_local(p) for p in params], buffers if i == config.sync_fragments - 1 else [])
             for i, params in enumerate(split_fragments(self._params, config.sync_fragments))
         ]
         if self.sync_every == "auto":
@@ -314,11 +314,11 @@ class DiLoCo:
 
     def _start(self) -> None:
         """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
-        buffers = self._fragments[-1].buffers
+        tensors = [*(p for fragment in self._fragments for p in fragment.params), *self._fragments[-1].buffers]
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).float() for t in [*self._params, *buffers]])
+            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
             dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-            for tensor, value in zip([*self._params, *buffers], flat.split(_sizes([*self._params, *buffers]))):
+            for tensor, value in zip(tensors, flat.split(_sizes(tensors))):
                 tensor.copy_(value.view_as(tensor))
         self._make_anchors()
 
@@ -655,6 +655,12 @@ def _config(config: Config | None, given: dict[str, Any]) -> Config:
     if base is None:
         return Config.resolve(**given)
     return Config.resolve(env={}, **{**dataclasses.asdict(base), **given}) if given else base
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """What a sync averages of a parameter: itself, or a sharded one's own shard (a view of it; the replicas in
+    the group hold the same shard of the same parameter)."""
+    return parameter.detach().to_local() if hasattr(parameter, "to_local") else parameter
 
 
 def _sizes(tensors: list[torch.Tensor]) -> list[int]:
