@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
 import functools
 import inspect
 import os
+import time
 import weakref
 from typing import Any
 
@@ -24,9 +24,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
+from trainaccel.comm import failfast
 from trainaccel.config import Config
 from trainaccel.context import current_config
-from trainaccel.observer import watch_optimizer_steps
+from trainaccel.observer import observe, process_step, watch_optimizer_steps
 
 MODES = ("full", "hybrid")
 _SPARSE = ("Embedding", "EmbeddingBag")
@@ -200,6 +201,9 @@ class ShardedDataParallel(DistributedDataParallel):
         self.device_ids = bound.get("device_ids")
         self.dim = bound.get("dim", 0)
         self.shard_mode = config.shard
+        # Heartbeats and the step counter, as for a DDP model: a stalled peer is named, not only timed out.
+        observe(self)
+        failfast.start_heartbeat()
         _live.append(weakref.ref(module))
         global _wraps
         _wraps += 1
@@ -355,28 +359,42 @@ def native_state_dicts() -> Any:
 
 
 def _all_ranks(what: str) -> None:
-    """Gathering or scattering a sharded model needs every rank: one that calls alone fails here, loudly."""
+    """Gathering or scattering a sharded model needs every rank: one that calls alone fails here, loudly.
+
+    Each rank marks its call in the store. A peer whose heartbeat shows a later step than this rank's has
+    trained on without calling (it waits in this rank's next gather): the call fails at once, naming it. Else
+    it fails after 0.9 x collective_timeout, before the peers' own timeout, so that the cause is named first.
+    """
     config = current_config()
-    # Before the peers' own collective timeout (they wait in this rank's next gather): the cause is named first.
     timeout = 0.9 * (config.collective_timeout if config is not None else Config().collective_timeout)
-    try:
-        dist.monitored_barrier(_side_group(), timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        raise ShardError(
-            f"{what} of a sharded model gathers from every rank, and not every rank called it within {timeout:.0f} s "
-            f"(call it on every rank; save on rank 0 only): {str(e).splitlines()[0]}"
-        ) from None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    _calls[what] = _calls.get(what, 0) + 1
+    if world == 1:
+        return
+    store = distributed_c10d._get_default_store()
+    key = f"trainaccel/shard/{what}/{_calls[what]}/"
+    store.set(key + str(rank), "1")
+    pending, deadline = set(range(world)) - {rank}, time.monotonic() + timeout
+    while pending:
+        pending = {other for other in pending if not store.check([key + str(other)])}
+        beats, mine = failfast.heartbeats() or {}, process_step()  # this rank's own step: live, not its beat
+        ahead = sorted(other for other in pending if beats.get(other, {}).get("step", -1) > mine)
+        late = time.monotonic() > deadline
+        if ahead or (pending and late):
+            why = (
+                f"rank(s) {ahead} trained on past step {mine} without calling it"
+                if ahead
+                else f"rank(s) {sorted(pending)} did not call it within {timeout:.0f} s"
+            )
+            raise ShardError(
+                f"{what} of a sharded model gathers from every rank, and not every rank called it: {why} (call it "
+                "on every rank; save on rank 0 only)"
+            )
+        if pending:
+            time.sleep(0.05)
 
 
-def _side_group() -> Any:
-    """A Gloo group for `_all_ranks`' barrier, apart from the group whose collectives shard and gather."""
-    global _side
-    if _side is None:
-        _side = dist.new_group(backend="gloo")
-    return _side
-
-
-_side: Any = None
+_calls: dict[str, int] = {}  # calls of each every-rank operation so far: the store key of the next one
 
 
 def full_parameters(module: torch.nn.Module) -> None:
@@ -412,7 +430,6 @@ def install() -> None:
 
     @functools.wraps(destroy)
     def destroy_process_group(group: Any = None) -> None:
-        global _side
         if group is None or group is dist.group.WORLD:
             # The script may read its model after this: every parameter whole again while a group remains.
             modules = [module for module in (ref() for ref in _live) if module is not None]
@@ -421,7 +438,6 @@ def install() -> None:
             for module in modules:
                 full_parameters(module)
             _live.clear()
-            _side = None
         return destroy(group)
 
     context.patch(distributed_c10d, "destroy_process_group", destroy_process_group)
@@ -430,8 +446,7 @@ def install() -> None:
 
 
 def _forget() -> None:
-    global _side
     _replaced.clear()
     _rebound.clear()
+    _calls.clear()
     _live.clear()
-    _side = None

@@ -32,6 +32,21 @@ def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
         5,
         1,
     )
+    sharded = _start(  # the same, with the DDP model built sharded (FSDP2's collectives time out)
+        *trainaccel_cmd(),
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        2,
+        "--collective-timeout",
+        TIMEOUT_S,
+        "--shard",
+        "full",
+        SCRIPTS / "stall_at_step.py",
+        "hang",
+        5,
+        1,
+    )
     port = free_port()
     nodes = [
         _start(
@@ -58,14 +73,17 @@ def test_a_hung_or_dead_peer_ends_the_job_with_an_error_naming_it():
         hung_out, _ = hung.communicate(timeout=90)
         hung_s = time.monotonic() - began
         node_outs = [p.communicate(timeout=90)[0] for p in nodes]
+        sharded_out, _ = sharded.communicate(timeout=90)
     finally:
-        for p in (hung, *nodes):
+        for p in (hung, sharded, *nodes):
             p.kill()
     # torch's default would have waited 30 minutes; the sleeping rank would have slept 2.
     assert hung.returncode != 0 and hung_s < 60, hung_out[-3000:]
     assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in hung_out, hung_out[-3000:]
     named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, node 0, local rank 1\): "
     assert re.search(named + r"alive but at step 5, behind this rank's step 6", hung_out), hung_out[-3000:]
+    assert sharded.returncode != 0, sharded_out[-3000:]
+    assert re.search(named + r"alive but at step 5, behind this rank's step 6", sharded_out), sharded_out[-3000:]
 
     assert all(p.returncode != 0 for p in nodes), node_outs[0][-3000:]
     named = r"trainaccel: a collective failed on rank 0 at step 6; missing peers: rank 1 \(host \S+, node 1, local rank 0\): "

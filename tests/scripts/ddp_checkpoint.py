@@ -2,8 +2,8 @@
 
 Argv: OUT_DIR [--steps N] [--save PATH] [--load PATH] [--optimizer-first] [--rank0-save] [--unused] [--sgd]. Each rank
 trains on
-its own batches; rank 0 saves `model.state_dict()` (computed on every rank, or with --rank0-save on rank 0 only,
-the pattern sharding cannot serve). Writes per rank its losses and its parameters, read after
+its own batches; rank 0 saves `model.state_dict()` after training (computed on every rank), or with --rank0-save at
+the third step on rank 0 alone (the DDP habit that sharding cannot serve). Writes per rank its losses and its parameters, read after
 destroy_process_group().
 """
 
@@ -55,21 +55,19 @@ if args.load:
     ddp.load_state_dict(torch.load(args.load))
 generator = torch.Generator().manual_seed(100 + rank)
 losses = []
-for _ in range(args.steps):
+for step in range(args.steps):
     x, y = torch.randn(8, 32, generator=generator), torch.randn(8, 4, generator=generator)
     optimizer.zero_grad()
     loss = nn.functional.mse_loss(ddp(x, rank == 0) if args.unused else ddp(x), y)
     loss.backward()
     optimizer.step()
     losses.append(loss.item())
-if args.save:
-    if args.rank0_save:
-        if rank == 0:
-            torch.save(ddp.state_dict(), args.save)
-    else:
-        state = ddp.state_dict()
-        if rank == 0:
-            torch.save(state, args.save)
+    if args.rank0_save and step == 2 and rank == 0:  # the DDP habit: a checkpoint in the loop, by rank 0 alone
+        torch.save(ddp.state_dict(), args.save)
+if args.save and not args.rank0_save:
+    state = ddp.state_dict()
+    if rank == 0:
+        torch.save(state, args.save)
     dist.barrier()
 kind = type(ddp).__name__
 mesh = getattr(next(ddp.parameters()), "device_mesh", None)  # a sharded parameter's mesh (a DTensor's)
