@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -68,4 +69,9 @@ result = {
 }
 with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
+# As DDP scripts end on torch 2.13's CPU Gloo (else a worker can abort at exit under plain torchrun):
+# the last collectives finished, the DDP model dropped, a moment for Gloo's threads, then the group.
+dist.barrier()
+del model, optimizer
+time.sleep(0.05)
 dist.destroy_process_group()
