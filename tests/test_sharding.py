@@ -78,6 +78,9 @@ def test_sync_every_under_shard_is_for_hybrids_replicas():
         Config.resolve(env={}, shard="full", sync_every=10)
     with pytest.raises(ConfigError, match=r"invalid sync_warmup=5; accepted: 0 with shard=hybrid \(its steps would"):
         Config.resolve(env={}, shard="hybrid", sync_every=10, sync_warmup=5)
+    assert Config.resolve(env={}, shard="hybrid", sync_every=10, sync_scope="node").sync_scope == "node"
+    with pytest.raises(ConfigError, match=r"invalid sync_scope='rank'; accepted: auto, node with shard=hybrid \("):
+        Config.resolve(env={}, shard="hybrid", sync_every=10, sync_scope="rank")
     with pytest.raises(ValueError, match=r"invalid sync_every=4 with mode='full', compression='none'; accepted: 0"):
         shard(mlp(4, 4), "full", sync_every=4)
 

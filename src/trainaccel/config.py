@@ -243,6 +243,14 @@ class Config:
         "optimizer (0: off, gradients are exchanged every step; auto: the smallest N whose syncs take at most "
         "a tenth of the time, measured)",
     )
+    sync_scope: str = _option(
+        "auto",
+        _choice("auto", "node", "rank"),
+        "what one replica is under sync_every: node (the workers of a node still average gradients every step, "
+        "as DDP does, and the nodes' replicas sync every sync_every steps, as DiLoCo's islands), rank (every "
+        "worker steps alone); auto: node for a DDP model over more than one node with the same number (>1) of "
+        "workers each, else rank",
+    )
     sync_warmup: int = _option(
         0,
         _number(int, 0, float("inf")),
@@ -444,7 +452,7 @@ class Config:
         high, low = config.compression_ratio_max, config.compression_ratio
         if high is not None and high <= low:
             raise ConfigError("compression_ratio_max", high, f"a number above compression_ratio={low:g}, or empty")
-        steps_apart = {"sync_warmup": 0, "sync_fragments": 1, "sync_overlap": 0}
+        steps_apart = {"sync_scope": "auto", "sync_warmup": 0, "sync_fragments": 1, "sync_overlap": 0}
         for option, off in steps_apart.items():
             if not config.sync_every and getattr(config, option) != off:
                 raise ConfigError(option, getattr(config, option), f"{off} without sync_every, whose syncs it shapes")
@@ -511,6 +519,7 @@ _SHARD_ACCEPTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "intra_compression": (("none",), "FSDP2 reduces within a node"),
     "hierarchical": (("auto", "off"), "shard=hybrid is the two-level form"),
     "sync_warmup": ((0,), "its steps would need DDP's per-step exchange"),
+    "sync_scope": (("auto", "node"), "shard=hybrid reduces within each node at every step"),
     "local_steps": ((1,), "use the script's no_sync()"),
     "autotune": (("off",), "it times DDP's reductions"),
     "bucket_mb": ((None,), "FSDP2 reduces block by block, sized by shard_min_params"),

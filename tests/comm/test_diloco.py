@@ -14,11 +14,13 @@ from trainaccel.comm import DiLoCo, register, sync_replicas
 from trainaccel.config import Config, ConfigError
 
 
-@pytest.fixture(scope="module", params=["none", "fp4", "none/streaming"])
+@pytest.fixture(
+    scope="module", params=["rank/none", "rank/fp4", "rank/none/streaming", "node/none", "node/fp4/streaming"]
+)
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("diloco")
-    codec, _, streaming = request.param.partition("/")
-    env = {"TRAINACCEL_SYNC_EVERY": "3", "TRAINACCEL_OUTER_COMPRESSION": codec}
+    scope, codec, *streaming = request.param.split("/")
+    env = {"TRAINACCEL_SYNC_EVERY": "3", "TRAINACCEL_SYNC_SCOPE": scope, "TRAINACCEL_OUTER_COMPRESSION": codec}
     if streaming:  # 3 fragments, each applied one step after its sync began
         env.update(TRAINACCEL_SYNC_FRAGMENTS="3", TRAINACCEL_SYNC_OVERLAP="1")
     env["TRAINACCEL_OUTER_OPTIMIZER"] = "nesterov"  # the outer rule with state: momentum across syncs and resumes
@@ -38,7 +40,9 @@ def test_zero_code_equals_diloco_by_hand(ranks):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("what", ["hashes", "after_subset_look", "after_skip", "bn/False", "bn/True", "end", "auto"])
+@pytest.mark.parametrize(
+    "what", ["hashes", "after_subset_look", "after_skip", "bn/False", "bn/True", "end", "auto", "own_hook"]
+)
 def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
     seen = [r[what] for r in ranks[0]]
     assert all(s == seen[0] for s in seen), what
@@ -48,8 +52,21 @@ def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
 
 
 @pytest.mark.multiprocess
-def test_gradients_are_not_exchanged(ranks):
-    assert len({r["grad"] for r in ranks[0]}) == 4
+def test_gradients_are_not_exchanged_across_replicas(ranks):
+    grads = [r["grad"] for r in ranks[0]]
+    if "sync_scope=node" in ranks[1]:  # averaged within each node (ranks 0-1, 2-3), not across
+        assert grads[0] == grads[1] and grads[2] == grads[3] and grads[0] != grads[2]
+    else:
+        assert len(set(grads)) == 4
+
+
+@pytest.mark.multiprocess
+def test_a_script_hook_under_node_scope_makes_each_worker_a_replica_and_says_so(ranks):
+    results, out = ranks
+    assert len({r["own_hook_grad"] for r in results}) == 4  # the script's hook does not run: nothing exchanged
+    assert len({r["own_hook"] for r in results}) == 1  # the sync at step 3 averaged all four
+    warned = "and the script registered allreduce_hook: every worker is a replica of its own" in out
+    assert warned == ("sync_scope=node" in out)
 
 
 @pytest.mark.multiprocess
@@ -282,6 +299,11 @@ def test_bad_values_are_refused(option, value, accepted):
         ({"sync_fragments": 2}, "invalid sync_fragments=2; accepted: 1 without sync_every"),
         ({"sync_overlap": 1}, "invalid sync_overlap=1; accepted: 0 without sync_every"),
         ({"sync_warmup": 5}, "invalid sync_warmup=5; accepted: 0 without sync_every"),
+        ({"sync_scope": "node"}, "invalid sync_scope='node'; accepted: auto without sync_every"),
+        (
+            {"sync_every": 4, "sync_scope": "nodes"},
+            r"invalid sync_scope='nodes' \(from keyword\); accepted: auto, node, rank",
+        ),
         ({"sync_every": 4, "sync_fragments": 5}, "invalid sync_fragments=5; accepted: at most sync_every=4"),
         ({"sync_every": 4, "sync_overlap": 5}, "invalid sync_overlap=5; accepted: at most sync_every=4"),
     ],

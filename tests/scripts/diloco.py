@@ -1,8 +1,9 @@
 """A plain DDP script (no trainaccel import while training) run under `sync_every`, checked against DiLoCo computed
 by hand: every rank replays all replicas in-process (inner AdamW, outer Nesterov SGD on the mean change).
 
-Run with TRAINACCEL_SYNC_EVERY=3 (and optionally TRAINACCEL_SYNC_FRAGMENTS=3, TRAINACCEL_SYNC_OVERLAP=1) on 2
-emulated nodes x 2 workers; each rank writes OUT_DIR/rank{r}.json.
+Run with TRAINACCEL_SYNC_EVERY=3 and TRAINACCEL_SYNC_SCOPE=rank or node (and optionally TRAINACCEL_SYNC_FRAGMENTS=3,
+TRAINACCEL_SYNC_OVERLAP=1) on 2 emulated nodes x 2 workers; each rank writes OUT_DIR/rank{r}.json. Under node scope
+a replica is a node's: its gradient is the mean of its 2 workers' gradients.
 """
 
 import copy
@@ -21,6 +22,7 @@ H, LR, OUTER_LR, OUTER_MOMENTUM = 3, 0.01, 0.7, 0.9
 # Streaming, when the environment asks for it: sync_fragments and sync_overlap as trainaccel reads them.
 F = int(os.environ.get("TRAINACCEL_SYNC_FRAGMENTS", "1"))
 TAU = int(os.environ.get("TRAINACCEL_SYNC_OVERLAP", "0"))
+PER_NODE = 2 if os.environ["TRAINACCEL_SYNC_SCOPE"] == "node" else 1  # workers that share one replica
 FRAGMENTS = {1: [[0, 1, 2, 3]], 3: [[0], [1], [2, 3]]}[F]  # net()'s 4 tensors (96, 16, 48, 3 values) split by size
 
 
@@ -46,10 +48,12 @@ def flat(module: nn.Module) -> torch.Tensor:
 
 
 def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tensor:
-    """DiLoCo by hand: `world` replicas; fragment f's outer Nesterov step every H steps from step (f + 1) H / F,
+    """DiLoCo by hand: `world` / PER_NODE replicas, each stepping on its workers' mean gradient (DDP's: each halved,
+    then summed); fragment f's outer Nesterov step every H steps from step (f + 1) H / F,
     applied TAU steps later with the steps taken meanwhile kept on top; at each look, in-flight syncs, then the mean.
     """
     start = net(seed)
+    world //= PER_NODE  # replicas
     replicas = [copy.deepcopy(start) for _ in range(world)]
     inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in replicas]
     anchor = [p.detach().clone() for p in start.parameters()]
@@ -76,9 +80,15 @@ def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tens
 
     for step in range(1, steps + 1):
         for r, (m, opt) in enumerate(zip(replicas, inners)):
-            x, y = batch(r, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
+            grads = []
+            for worker in range(r * PER_NODE, (r + 1) * PER_NODE):
+                x, y = batch(worker, step)
+                opt.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+            if PER_NODE > 1:
+                for p, worker_grads in zip(m.parameters(), zip(*grads)):
+                    p.grad = sum(g / PER_NODE for g in worker_grads)
             opt.step()
         with torch.no_grad():
             for f in [f for f in sorted(pending) if pending[f][0] <= step]:
@@ -129,7 +139,7 @@ def main() -> None:
     result["exact_err"] = float((flat(model.module) - expected).abs().max())
     result["moved"] = float((expected - flat(net(0))).abs().max())  # how far training took the parameters
     result["hashes"] = hashes
-    result["grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()  # this rank's own: nothing exchanged
+    result["grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()  # its own (node scope: its node's)
 
     # 2. A look on rank 0 alone (its checkpoint) neither hangs nor averages; the next syncs stay aligned.
     model = DDP(net(1))
@@ -193,6 +203,17 @@ def main() -> None:
         nn.functional.mse_loss(module(x), y).backward()
         optimizer.step()
     result["auto"] = [auto.interval, auto.syncs, auto.next_sync]
+
+    # 8. The script's own communication hook: under node scope this model falls back to one replica per rank.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = DDP(net(8))
+    model.register_comm_hook(None, allreduce_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train(model, optimizer, rank, 1, 2)
+    result["own_hook_grad"] = hashlib.sha256(model.module[0].weight.grad.numpy().tobytes()).hexdigest()
+    train(model, optimizer, rank, 3, 3)  # step 3 syncs
+    result["own_hook"] = digest(model.module)
 
     # 6. The end: steps since the last sync are averaged by destroy_process_group().
     model = DDP(net(6))

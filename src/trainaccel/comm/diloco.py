@@ -36,9 +36,10 @@ from trainaccel import context
 from trainaccel.comm import failfast
 from trainaccel.comm.codecs import ErrorFeedback, get_codec
 from trainaccel.comm.exchange import start_exchange
+from trainaccel.comm.exit_guard import track
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
-from trainaccel.comm.topology import hierarchy_for
+from trainaccel.comm.topology import discover, hierarchy_for, node_group
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, warn_once
 from trainaccel.observer import observer_of, watch_optimizer_steps
@@ -92,6 +93,7 @@ class DiLoCo:
         "warmup": "first inner steps with DDP's own gradient exchange still on (sync_warmup): local steps begin after",
         "overlap": "inner steps an exchange runs behind training before its result is applied (sync_overlap)",
         "outer_optimizer": "nesterov, sgd or average",
+        "scope": "node (a node's workers average gradients every step: one replica per node) or rank (one each)",
         "group": "the process group replicas are averaged over",
         "steps": "inner steps so far (skipped GradScaler steps count: every rank counts alike)",
         "synced_at": "`steps` when the replicas were last made equal (a sync of the whole model, or a look)",
@@ -110,6 +112,8 @@ class DiLoCo:
         "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
         "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
+        "_forward_at": "`steps` when a training forward last began: past a look at that step, though not done",
+        "_in_node": "under node scope, the state of the DDP hook that averages gradients (None under rank scope)",
         "__weakref__": "held weakly by process-wide tables",
     }
 
@@ -119,6 +123,7 @@ class DiLoCo:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         sync_every: int | str | None = None,
+        sync_scope: str | None = None,
         outer_optimizer: str | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -129,7 +134,8 @@ class DiLoCo:
         config: Config | None = None,
     ):
         global _made
-        given = {"sync_every": sync_every, "outer_optimizer": outer_optimizer, "outer_lr": outer_lr}
+        given = {"sync_every": sync_every, "sync_scope": sync_scope, "outer_optimizer": outer_optimizer}
+        given["outer_lr"] = outer_lr
         given["outer_momentum"], given["sync_warmup"] = outer_momentum, sync_warmup
         given["sync_fragments"], given["sync_overlap"] = sync_fragments, sync_overlap
         config = _config(config, {k: v for k, v in given.items() if v is not None})
@@ -150,14 +156,15 @@ class DiLoCo:
         self._timing: list[Any] = [None, [], 0.0]
         self._measured: torch.futures.Future | None = None
         if isinstance(model, DistributedDataParallel):
-            if model.static_graph:
-                raise ValueError(
-                    "DDP's static_graph=True cannot train under sync_every: its first iteration needs the gradient "
-                    "exchange that sync_every switches off (torch has no no_sync() there); build the model without "
-                    "static_graph, which has nothing to optimise without the exchange"
-                )
             process_group = process_group or model.process_group
         self.group = process_group or dist.group.WORLD
+        self.scope = self._scope(config.sync_scope, model)
+        if self.scope == "rank" and isinstance(model, DistributedDataParallel) and model.static_graph:
+            raise ValueError(
+                "DDP's static_graph=True cannot train under sync_every with sync_scope=rank: its first iteration "
+                "needs the gradient exchange that sync_every switches off (torch has no no_sync() there); build the "
+                "model without static_graph, which has nothing to optimise without the exchange"
+            )
         self.steps = self.synced_at = self.syncs = self.bytes_sent = 0
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -185,9 +192,17 @@ class DiLoCo:
         self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
         self._engine_group = engine_group(self.group)
-        self._hierarchy = self._build_hierarchy(config)
         self._undo: list[Any] = []
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._in_node, self._forward_at = None, -1
+        if self.scope == "node":
+            # Each node's workers hold one replica: its change crosses nodes once, a shard from each worker.
+            self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback)
+            self._in_node = _InNode(self.group)  # every worker during the warm-up, as plain DDP
+            node_group()  # built now, on every rank (collective): the warm-up's end switches to it
+            self._average_in_node(model, config.hierarchical)
+        else:
+            self._hierarchy = self._build_hierarchy(config)
         if self._ddp is not None and not self.warmup:
             self._switch_off_exchange()
         if self._module is not None:
@@ -205,10 +220,50 @@ class DiLoCo:
         if len(self._fragments) > 1 or self.overlap:
             streaming = f" in {len(self._fragments)} staggered fragment(s), applied {self.overlap} step(s) later"
         info_once(
-            f"sync_every={self.sync_every}: gradients stay on each worker; every "
+            f"sync_every={self.sync_every}: gradients stay on each "
+            f"{'node (averaged over its workers every step)' if self.scope == 'node' else 'worker'}; every "
             f"{'few (chosen from measured times)' if self.sync_every == 'auto' else self.sync_every} optimizer steps "
             f"the replicas' change is averaged ({self.outer_optimizer} outer step){streaming}"
         )
+
+    def _scope(self, wanted: str, model: Any) -> str:
+        """sync_scope resolved: node where a DDP model spans several nodes of equal size (>1 worker), else rank."""
+        if wanted == "rank":
+            return "rank"
+        if not isinstance(model, DistributedDataParallel):
+            why = "not a DDP model, whose per-step gradient exchange would stay within each node"
+        elif self.group is not dist.group.WORLD:
+            why = "a process group other than the default"
+        else:
+            why = discover().why_flat()
+        if why is None:
+            return "node"
+        if wanted == "node":
+            warn_once(f"sync_scope=node: every worker is a replica of its own for this model ({why})")
+        return "rank"
+
+    def _average_in_node(self, model: DistributedDataParallel, hierarchical: str) -> None:
+        """Node scope: DDP's buckets go through a hook of ours, registered at the first forward (so a script may
+        register its own hook first: then this model falls back to rank scope, with a warning)."""
+        handle = None
+
+        def first_forward(module: torch.nn.Module, args: tuple) -> None:
+            handle.remove()
+            existing = model._get_ddp_logging_data().get("comm_hook")
+            if not existing:
+                model.register_comm_hook(self._in_node, _average_in_group)
+                return
+            warn_once(
+                f"sync_scope=node averages gradients within each node through a communication hook of its own, "
+                f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank)"
+            )
+            self.scope, self._in_node = "rank", None
+            self._hierarchy = self._build_hierarchy(dataclasses.replace(Config(), hierarchical=hierarchical))
+            if self._ddp is None:  # past the warm-up: what rank scope switches off
+                model.require_backward_grad_sync = False
+
+        handle = model.register_forward_pre_hook(first_forward)
+        self._undo.append(handle.remove)
 
     @property
     def _started(self) -> bool:
@@ -341,10 +396,12 @@ class DiLoCo:
         A regular sync with sync_overlap is applied `overlap` steps later; any other finishes here.
         """
         world = dist.get_world_size(self.group)
+        node = self.scope == "node"
+        replicas = self._hierarchy.topology.num_nodes if node else world
         with torch.no_grad():
             values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
             # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
-            change = torch.cat([a.reshape(-1) for a in fragment.anchors]).sub_(values).div_(world)
+            change = torch.cat([a.reshape(-1) for a in fragment.anchors]).sub_(values).div_(replicas)
             buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
         if buffers is not None:
             buffers.div_(world)
@@ -353,7 +410,7 @@ class DiLoCo:
         def average() -> tuple[torch.Tensor, torch.Tensor | None, int]:
             if hierarchy is not None:
                 before = hierarchy.bytes_sent
-                mean = hierarchy.reduce(change, fragment.key)[0]
+                mean = hierarchy.reduce(change, fragment.key, replicated=node)[0]
                 sent = hierarchy.bytes_sent - before
             else:
                 outcome = start_exchange(codec, feedback, change, fragment.key, group).finish()
@@ -443,7 +500,10 @@ class DiLoCo:
         )
 
     def _lookers(self) -> list[int] | None:
-        """None when every rank looks at this step; else the ranks that do (read from the store and heartbeats)."""
+        """None when every rank looks at this step; else the ranks seen looking (read from the store and heartbeats).
+
+        A rank is past the look once its next training forward began (under node scope its node's workers wait for it
+        in that step's exchange, so a finished step would never show)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         beats = failfast.heartbeats()
         if world == 1 or beats is None:
@@ -453,7 +513,7 @@ class DiLoCo:
         store.set(key + str(rank), "1")
         pending, passed = set(range(world)) - {rank}, set()
         deadline = time.monotonic() + _timeout_s()
-        while pending:
+        while pending and not passed:  # one rank past the look is enough: the replicas cannot be averaged
             # Heartbeats first: a rank writes its look before stepping on; one that stepped on without it never looks.
             beats = failfast.heartbeats() or {}
             for other in sorted(pending):
@@ -472,15 +532,25 @@ class DiLoCo:
                 time.sleep(_POLL_S)
         if not passed:
             return None
-        return sorted(set(range(world)) - passed)
+        return sorted(set(range(world)) - passed - pending)  # those seen looking
+
+    def _trained(self) -> None:
+        self._forward_at = self.steps
+
+    @property
+    def progress(self) -> float:
+        """Inner steps done, + 0.5 once the next one's training forward has begun (what heartbeats report)."""
+        return self.steps + 0.5 if self._forward_at == self.steps else float(self.steps)
 
     def _watch_looks(self) -> None:
         module = self._module
-        look = self._look  # held by the module's hooks: this object lives as long as the module
+        look, trained = self._look, self._trained  # held by the module's hooks: this object lives as long as it
 
         def before_forward(module: torch.nn.Module, args: tuple) -> None:
             if not (module.training and torch.is_grad_enabled()):
                 look("an evaluation forward")
+            else:
+                trained()
 
         def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
             look("state_dict()")
@@ -501,14 +571,21 @@ class DiLoCo:
         module.train = train  # an instance attribute: DDP's train() reaches it through its children too
 
     def _switch_off_exchange(self) -> None:
-        """No gradient allreduce in backward and no buffer broadcast in forward: the syncs carry both."""
+        """No gradient allreduce in backward (node scope: within the node only) and no buffer broadcast in forward:
+        the syncs carry the rest."""
         model, self._ddp = self._ddp, None
         before = model.require_backward_grad_sync, model.broadcast_buffers
+        in_node = self._in_node
 
         def restore() -> None:
             model.require_backward_grad_sync, model.broadcast_buffers = before
+            if in_node is not None:
+                in_node.group = self.group  # the hook cannot be removed: it averages over every worker again
 
-        model.require_backward_grad_sync = False  # what no_sync() sets, for good (no_sync() restores it)
+        if in_node is not None:
+            in_node.group = node_group()
+        else:
+            model.require_backward_grad_sync = False  # what no_sync() sets, for good (no_sync() restores it)
         model.broadcast_buffers = False
         self._undo.append(restore)
 
@@ -533,6 +610,7 @@ class DiLoCo:
         return {
             "format": FORMAT,
             "sync_every": self.sync_every,
+            "sync_scope": self.scope,
             "outer_optimizer": self.outer_optimizer,
             "sync_fragments": len(fragments),
             "sync_overlap": self.overlap,
@@ -555,6 +633,7 @@ class DiLoCo:
         """Resume from `state_dict()` (before the next inner step)."""
         state = _upgrade(state)
         mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer, "warmup": self.warmup}
+        mine["sync_scope"] = self.scope
         mine.update(sync_fragments=len(self._fragments), sync_overlap=self.overlap)
         mine["outer_compression"] = self._codec.name
         for name, value in mine.items():
@@ -614,12 +693,12 @@ def split_fragments(params: list[torch.Tensor], count: int) -> list[list[torch.T
 def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
     """A state of an older format in this format's terms, or a one-line error."""
     if state.get("format") == FORMAT:
-        return state
+        return state if "sync_scope" in state else {**state, "sync_scope": "rank"}  # saved before sync_scope
     if state.get("format") != 1:
         raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads formats 1 and {FORMAT}")
     old = dict(state)  # format 1: one fragment, no overlap, auto's measurements not kept
     old.update(format=FORMAT, sync_fragments=1, sync_overlap=0, next_sync=[state["next_sync"]], outer=[state["outer"]])
-    old["warmup"] = state.get("warmup", 0)
+    old["warmup"], old["sync_scope"] = state.get("warmup", 0), "rank"
     old["residuals"] = {("diloco/0" if k == "diloco" else k): v for k, v in state["residuals"].items()}
     old["timing"] = [[], 0.0, None]
     return old
@@ -648,6 +727,23 @@ def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
     if observer is not None:
         observer.diloco = diloco
     return diloco
+
+
+class _InNode:
+    """State of the DDP hook that averages gradients under node scope."""
+
+    __slots__ = {"group": "what buckets are averaged over: every worker (the warm-up), then the node's workers"}
+
+    def __init__(self, group: Any):
+        self.group = group
+
+
+def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations, which are strings here)
+    """Average one DDP bucket over `state.group`."""
+    group = state.group
+    tensor = bucket.buffer().div_(dist.get_world_size(group))
+    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return future.then(track(lambda done: done.value()[0]))
 
 
 def _config(config: Config | None, given: dict[str, Any]) -> Config:
@@ -694,7 +790,7 @@ def _install() -> None:
     context.patch(distributed_c10d, "destroy_process_group", looking_destroy)
     context.patch(dist, "destroy_process_group", looking_destroy)
     failfast.start_heartbeat()
-    stop_reporting = failfast.report("diloco", lambda: {str(i): d.steps for i, d in list(_live.items())})
+    stop_reporting = failfast.report("diloco", lambda: {str(i): d.progress for i, d in list(_live.items())})
     context.on_undo("diloco", functools.partial(_detach_all, stop_reporting))
 
 

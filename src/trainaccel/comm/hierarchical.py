@@ -74,17 +74,20 @@ class HierarchicalReduce:
         self._velocity: tuple[tuple[torch.Tensor, ...], int] | None = None  # the reduction in progress's (chunks)
 
     def reduce(
-        self, buffer: torch.Tensor, key: Any, velocity: torch.Tensor | None = None
+        self, buffer: torch.Tensor, key: Any, velocity: torch.Tensor | None = None, *, replicated: bool = False
     ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
         """Sum `buffer` in place (call on the communication thread); returns it and the (level, fallback) taken.
 
         `velocity` (laid out as `buffer`, this worker's share) starts the momentum of error feedback across nodes.
+        `replicated`: `buffer` is the same on every worker of a node, and the sum is over nodes only (each worker
+        sends its shard of it across nodes, then the node gathers).
         """
         chunk = max(1, int(self.chunk_mb * 2**20) // buffer.element_size())
         self._velocity = None if velocity is None else (velocity.split(chunk), chunk)
         fallbacks: list[tuple[str, str]] = []
         stages: list[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
-        starts = [self._start_sum_in_node, self._start_sum_across_nodes, self._start_gather_in_node]
+        first = self._take_shard if replicated else self._start_sum_in_node
+        starts = [first, self._start_sum_across_nodes, self._start_gather_in_node]
 
         def advance(depth: int) -> None:
             # Finish the oldest step of each stage while more than `depth` are in flight, and start its next stage.
@@ -98,7 +101,7 @@ class HierarchicalReduce:
                         stages[s + 1].append((part, key_i, starts[s + 1](value, key_i, part)))
 
         for i, part in enumerate(buffer.split(chunk)):
-            stages[0].append((part, (key, i), self._start_sum_in_node(part, (key, i), part)))
+            stages[0].append((part, (key, i), first(part, (key, i), part)))
             advance(1)
         advance(0)
         return buffer, fallbacks
@@ -131,6 +134,14 @@ class HierarchicalReduce:
             return self.intra_codec.decompress(shard_payload, ctx), None
 
         return _Step("intra-node reduce", key, work, finish)
+
+    def _take_shard(self, part: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
+        """The first stage when the node's workers hold the same values: this worker's shard, nothing sent."""
+        local_size, n = self.topology.local_size, part.numel()
+        shard_size = -(-n // local_size)
+        padded = torch.nn.functional.pad(part, (0, shard_size * local_size - n)) if n % local_size else part
+        shard = padded.narrow(0, self.topology.local_index * shard_size, shard_size)
+        return _Step("", key, None, lambda: (shard, None))
 
     def _start_sum_across_nodes(self, shard: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
         out = shard if self.feedback is not None else None  # folded into the residual: free to reuse
