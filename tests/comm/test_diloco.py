@@ -70,6 +70,13 @@ def test_a_script_hook_under_node_scope_makes_each_worker_a_replica_and_says_so(
 
 
 @pytest.mark.multiprocess
+def test_static_graph_trains_under_node_scope(ranks):
+    results, out = ranks
+    if "sync_scope=node" in out:
+        assert len({r["static_graph"] for r in results}) == 1
+
+
+@pytest.mark.multiprocess
 def test_a_look_on_one_rank_sees_its_replica_and_says_so_once(ranks):
     results, out = ranks
     assert results[0]["subset_is_own_replica"] is True

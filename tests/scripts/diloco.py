@@ -215,6 +215,13 @@ def main() -> None:
     train(model, optimizer, rank, 3, 3)  # step 3 syncs
     result["own_hook"] = digest(model.module)
 
+    # 9. Node scope keeps DDP's exchange (in the node), so DDP's static_graph trains (rank scope refuses it).
+    if PER_NODE > 1:
+        model = DDP(net(9), static_graph=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        train(model, optimizer, rank, 1, 3)  # step 3 syncs
+        result["static_graph"] = digest(model.module)
+
     # 6. The end: steps since the last sync are averaged by destroy_process_group().
     model = DDP(net(6))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -253,6 +253,12 @@ class DiLoCo:
             if not existing:
                 model.register_comm_hook(self._in_node, _average_in_group)
                 return
+            if model.static_graph:
+                raise ValueError(
+                    f"sync_scope=node averages gradients within each node through a communication hook of its own, "
+                    f"and the script registered {existing} on a static_graph=True model, which sync_scope=rank "
+                    "cannot train (its first iteration needs the exchange): drop the script's hook or static_graph"
+                )
             warn_once(
                 f"sync_scope=node averages gradients within each node through a communication hook of its own, "
                 f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank)"
