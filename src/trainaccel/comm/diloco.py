@@ -52,6 +52,16 @@ _POLL_S = 0.05
 # sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
 # (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
 AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
+# What the one-time warning says each scope was measured to cost (docs/BENCHMARKS.md: 300 steps, AdamW, 2 nodes x 2).
+_MEASURED = {
+    "node": "each node's replica steps on its own workers' gradients between syncs. Measured on a short run (300 "
+    "steps, 2 nodes x 2 workers, AdamW: docs/BENCHMARKS.md) it ended 0.2-0.4% above plain DDP's validation loss "
+    "syncing every 2 steps (median of 3 seeds; up to 1.8% in one), 0.7% every 4 after 30 warm-up steps",
+    "rank": "each worker steps on its own gradients between syncs. Measured on a short run (300 steps, 4 workers, "
+    "AdamW: docs/BENCHMARKS.md) it ended 0.9-1.8% above plain DDP's validation loss syncing every 2-4 steps after 30 "
+    "warm-up steps (sync_warmup), 1.8% every 2 without, 3.5-4.4% every 4, 8% every 10 (one replica per node, "
+    "sync_scope=node on several nodes, kept closer)",
+}
 # index -> instance, in creation order (the same on every rank); each lives as long as its module (its hooks hold it)
 _live: weakref.WeakValueDictionary[int, DiLoCo] = weakref.WeakValueDictionary()
 _made = 0  # DiLoCo objects made in this process since init: the next one's index
@@ -210,11 +220,8 @@ class DiLoCo:
         _install()
         _live[self.index] = self
         warn_once(
-            f"sync_every={self.sync_every} changes what is trained, not only how fast: each worker steps on its own "
-            "gradients between syncs. Measured on a short run (300 steps, 4 workers, AdamW: docs/BENCHMARKS.md) it "
-            "ended 0.9-1.7% above plain DDP's validation loss syncing every 2-4 steps after 30 warm-up steps "
-            "(sync_warmup), 3.5-4.4% every 4 without, 8% every 10; measure it on your task (trainaccel bench "
-            "quality) before relying on it"
+            f"sync_every={self.sync_every} changes what is trained, not only how fast: {_MEASURED[self.scope]}; "
+            "measure it on your task (trainaccel bench quality) before relying on it"
         )
         streaming = ""
         if len(self._fragments) > 1 or self.overlap:
