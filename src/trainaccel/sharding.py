@@ -13,7 +13,6 @@ import contextlib
 import functools
 import inspect
 import os
-import time
 import weakref
 from typing import Any
 
@@ -365,33 +364,29 @@ def _all_ranks(what: str) -> None:
     trained on without calling (it waits in this rank's next gather): the call fails at once, naming it. Else
     it fails after 0.9 x collective_timeout, before the peers' own timeout, so that the cause is named first.
     """
-    config = current_config()
-    timeout = 0.9 * (config.collective_timeout if config is not None else Config().collective_timeout)
+    timeout = 0.9 * failfast.collective_timeout_s()
     world, rank = dist.get_world_size(), dist.get_rank()
     _calls[what] = _calls.get(what, 0) + 1
     if world == 1:
         return
-    store = distributed_c10d._get_default_store()
     key = f"trainaccel/shard/{what}/{_calls[what]}/"
-    store.set(key + str(rank), "1")
-    pending, deadline = set(range(world)) - {rank}, time.monotonic() + timeout
-    while pending:
-        pending = {other for other in pending if not store.check([key + str(other)])}
-        beats, mine = failfast.heartbeats() or {}, process_step()  # this rank's own step: live, not its beat
-        ahead = sorted(other for other in pending if beats.get(other, {}).get("step", -1) > mine)
-        late = time.monotonic() > deadline
-        if ahead or (pending and late):
-            why = (
-                f"rank(s) {ahead} trained on past step {mine} without calling it"
-                if ahead
-                else f"rank(s) {sorted(pending)} did not call it within {timeout:.0f} s"
-            )
-            raise ShardError(
-                f"{what} of a sharded model gathers from every rank, and not every rank called it: {why} (call it "
-                "on every rank; save on rank 0 only)"
-            )
-        if pending:
-            time.sleep(0.05)
+    mine = process_step()  # this rank's own step: live, not its beat
+
+    def moved_on(beat: dict) -> bool:
+        return beat.get("step", -1) > mine
+
+    peers = {other: other for other in range(world) if other != rank}
+    ahead, pending = failfast.await_peers(key, rank, peers, moved_on, timeout)
+    if ahead or pending:
+        why = (
+            f"rank(s) {ahead} trained on past step {mine} without calling it"
+            if ahead
+            else f"rank(s) {pending} did not call it within {timeout:.0f} s"
+        )
+        raise ShardError(
+            f"{what} of a sharded model gathers from every rank, and not every rank called it: {why} (call it "
+            "on every rank; save on rank 0 only)"
+        )
 
 
 _calls: dict[str, int] = {}  # calls of each every-rank operation so far: the store key of the next one

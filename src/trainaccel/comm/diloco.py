@@ -48,7 +48,6 @@ log = logging.getLogger("trainaccel")
 
 FORMAT = 2  # 1: before fragments (one of everything); still read
 _KEY = "trainaccel/diloco"
-_POLL_S = 0.05
 # sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
 # (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
 AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
@@ -518,34 +517,24 @@ class DiLoCo:
         A rank is past the look once its next training forward began (under node scope its node's workers wait for it
         in that step's exchange, so a finished step would never show)."""
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        beats = failfast.heartbeats()
-        if world == 1 or beats is None:
+        if world == 1 or failfast.heartbeats() is None:
             return None  # no heartbeats to tell a rank that trained on: every rank must look
-        store = distributed_c10d._get_default_store()
+        peers = {other: dist.get_global_rank(self.group, other) for other in range(world) if other != rank}
+        index, steps = str(self.index), self.steps
+
+        def moved_on(beat: dict) -> bool:
+            return beat.get("diloco", {}).get(index, -1) > steps
+
         key = f"{_KEY}/{self.index}/look/{self.steps}/"
-        store.set(key + str(rank), "1")
-        pending, passed = set(range(world)) - {rank}, set()
-        deadline = time.monotonic() + _timeout_s()
-        while pending and not passed:  # one rank past the look is enough: the replicas cannot be averaged
-            # Heartbeats first: a rank writes its look before stepping on; one that stepped on without it never looks.
-            beats = failfast.heartbeats() or {}
-            for other in sorted(pending):
-                global_rank = dist.get_global_rank(self.group, other)
-                if store.check([key + str(other)]):
-                    pending.discard(other)
-                elif beats.get(global_rank, {}).get("diloco", {}).get(str(self.index), -1) > self.steps:
-                    pending.discard(other)
-                    passed.add(other)
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"trainaccel: rank {rank} waited {_timeout_s():.0f} s for rank(s) {sorted(pending)} to reach "
-                    f"inner step {self.steps} (to average the replicas for a look at the model); they did not"
-                )
-            if pending:
-                time.sleep(_POLL_S)
+        passed, pending = failfast.await_peers(key, rank, peers, moved_on, failfast.collective_timeout_s())
+        if pending and not passed:
+            raise RuntimeError(
+                f"trainaccel: rank {rank} waited {failfast.collective_timeout_s():.0f} s for rank(s) {pending} to "
+                f"reach inner step {self.steps} (to average the replicas for a look at the model); they did not"
+            )
         if not passed:
             return None
-        return sorted(set(range(world)) - passed - pending)  # those seen looking
+        return sorted(set(range(world)) - set(passed) - set(pending))  # those seen looking
 
     def _trained(self) -> None:
         self._forward_at = self.steps
@@ -774,11 +763,6 @@ def _local(parameter: torch.Tensor) -> torch.Tensor:
 
 def _sizes(tensors: list[torch.Tensor]) -> list[int]:
     return [t.numel() for t in tensors]
-
-
-def _timeout_s() -> float:
-    config = current_config()
-    return config.collective_timeout if config is not None else Config().collective_timeout
 
 
 def _restore_attribute(owner: Any, name: str, value: Any) -> None:

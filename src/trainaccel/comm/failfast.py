@@ -39,6 +39,7 @@ HANG_STEPS = 10
 WARMUP_STEPS = 3  # hangs are judged once a rank began this many steps (the first ones compile, load, ...)
 EXIT_STATUS = 1
 
+AWAIT_POLL_S = 0.05  # how often await_peers reads the store and the heartbeats
 _heartbeat: Heartbeat | None = None
 _reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> what to write
 _published = False  # this process published the job's failure
@@ -417,6 +418,37 @@ def heartbeats() -> dict[int, dict] | None:
     if _heartbeat is None:
         return None
     return _read_heartbeats(distributed_c10d._get_default_store(), dist.get_world_size(), _heartbeat._key)
+
+
+def collective_timeout_s() -> float:
+    """The configured collective_timeout (the default outside trainaccel.init())."""
+    config = context.current_config()
+    return (config or Config()).collective_timeout
+
+
+def await_peers(
+    key: str, me: int, peers: dict[int, int], moved_on: Callable[[dict], bool], timeout_s: float
+) -> tuple[list[int], list[int]]:
+    """Mark rank `me`'s arrival at `key` in the store, and wait until every peer arrived there or one moved on.
+
+    Ranks are numbered as the caller's group does; `peers` maps each other rank to its global rank, whose
+    heartbeat `moved_on` reads. Returns (peers that moved on, peers neither arrived nor moved on by the deadline);
+    both empty when every peer arrived. One peer that moved on ends the wait: the others cannot change the outcome.
+    """
+    store = distributed_c10d._get_default_store()
+    store.set(key + str(me), "1")
+    pending, passed = set(peers), []
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        # Heartbeats first: a peer writes its arrival before moving on, so one that moved on without it never arrives.
+        beats = heartbeats() or {}
+        pending = {other for other in pending if not store.check([key + str(other)])}
+        passed = sorted(other for other in pending if moved_on(beats.get(peers[other], {})))
+        if passed or (pending and time.monotonic() > deadline):
+            return passed, sorted(set(pending) - set(passed))
+        if pending:
+            time.sleep(AWAIT_POLL_S)
+    return [], []
 
 
 def stop_heartbeat() -> None:
