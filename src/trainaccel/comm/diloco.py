@@ -211,7 +211,7 @@ class DiLoCo:
             node_group()  # built now, on every rank (collective): the warm-up's end switches to it
             self._average_in_node(model, config.hierarchical)
         else:
-            self._hierarchy = self._build_hierarchy(config)
+            self._hierarchy = self._build_hierarchy(config.hierarchical)
         if self._ddp is not None and not self.warmup:
             self._switch_off_exchange()
         if self._module is not None:
@@ -270,7 +270,7 @@ class DiLoCo:
                 f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank)"
             )
             self.scope, self._in_node = "rank", None
-            self._hierarchy = self._build_hierarchy(dataclasses.replace(Config(), hierarchical=hierarchical))
+            self._hierarchy = self._build_hierarchy(hierarchical)
             if self._ddp is None:  # past the warm-up: what rank scope switches off
                 model.require_backward_grad_sync = False
 
@@ -397,9 +397,9 @@ class DiLoCo:
             if self.outer_optimizer != "average":
                 fragment.outer = torch.optim.SGD(fragment.anchors, lr=lr, momentum=momentum, nesterov=nesterov)
 
-    def _build_hierarchy(self, config: Config) -> HierarchicalReduce | None:
+    def _build_hierarchy(self, hierarchical: str) -> HierarchicalReduce | None:
         """Full precision inside a node, the codec across nodes: as the per-step exchange's hierarchy decides."""
-        topology = hierarchy_for(self.group, config.hierarchical, True, "syncs reduce")
+        topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce")
         return HierarchicalReduce(topology, self._codec, self._feedback) if topology is not None else None
 
     def _begin(self, fragment: _Fragment, outer: bool) -> None:
