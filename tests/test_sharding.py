@@ -257,7 +257,7 @@ def test_hybrid_with_sync_every_averages_the_replicas_across_nodes(tmp_path):
     proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", 4, script, tmp_path / "ddp", "--sgd"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = {"TRAINACCEL_SHARD_MIN_PARAMS": "1000", "TRAINACCEL_SHARD": "hybrid", "TRAINACCEL_OUTER_OPTIMIZER": "average"}
-    for name, every in [("every1", "1"), ("every3", "3")]:
+    for name, every, scope in [("every1", "1", "auto"), ("every3", "3", "node")]:
         procs = run_nodes(
             script,
             tmp_path / name,
@@ -265,10 +265,12 @@ def test_hybrid_with_sync_every_averages_the_replicas_across_nodes(tmp_path):
             "--steps",
             7,
             launcher=[*trainaccel_cmd(), "run"],
-            env={**env, "TRAINACCEL_SYNC_EVERY": every},
+            env={**env, "TRAINACCEL_SYNC_EVERY": every, "TRAINACCEL_SYNC_SCOPE": scope},
         )
         for proc in procs:
             assert proc.returncode == 0, proc.stdout + proc.stderr
+            # hybrid's nodes are its replicas already: sync_scope=node is what it does, with no warning
+            assert "replica of its own" not in proc.stdout + proc.stderr
     # Every step: each node steps on its own averaged gradient, then the nodes' parameters are averaged. With
     # plain SGD that is DDP's step exactly (the mean of the steps is the step of the mean gradient).
     reference = read_ranks(tmp_path / "ddp", 4)

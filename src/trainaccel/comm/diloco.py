@@ -236,6 +236,9 @@ class DiLoCo:
         """sync_scope resolved: node where a DDP model spans several nodes of equal size (>1 worker), else rank."""
         if wanted == "rank":
             return "rank"
+        if isinstance(model, torch.nn.Module) and any(hasattr(p, "to_local") for p in model.parameters()):
+            # shard=hybrid: FSDP2 already makes each node one replica; each rank's shard syncs with its counterparts.
+            return "rank"
         if not isinstance(model, DistributedDataParallel):
             why = "not a DDP model, whose per-step gradient exchange would stay within each node"
         elif self.group is not dist.group.WORLD:
