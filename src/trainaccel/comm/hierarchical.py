@@ -106,10 +106,14 @@ class HierarchicalReduce:
         advance(0)
         return buffer, fallbacks
 
-    def _start_sum_in_node(self, part: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
+    def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """`part` padded with zeros to a multiple of the node's workers, and the size of each one's shard."""
         local_size, n = self.topology.local_size, part.numel()
         shard_size = -(-n // local_size)
-        padded = torch.nn.functional.pad(part, (0, shard_size * local_size - n)) if n % local_size else part
+        return (torch.nn.functional.pad(part, (0, shard_size * local_size - n)) if n % local_size else part), shard_size
+
+    def _start_sum_in_node(self, part: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
+        padded, shard_size = self._padded(part)
         full = padded if self.intra_feedback is None else self.intra_feedback.correct(key, padded)
         payload, ctx = self.intra_codec.compress(full, key)
         if self.intra_feedback is not None:
@@ -137,9 +141,7 @@ class HierarchicalReduce:
 
     def _take_shard(self, part: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
         """The first stage when the node's workers hold the same values: this worker's shard, nothing sent."""
-        local_size, n = self.topology.local_size, part.numel()
-        shard_size = -(-n // local_size)
-        padded = torch.nn.functional.pad(part, (0, shard_size * local_size - n)) if n % local_size else part
+        padded, shard_size = self._padded(part)
         shard = padded.narrow(0, self.topology.local_index * shard_size, shard_size)
         return _Step("", key, None, lambda: (shard, None))
 
