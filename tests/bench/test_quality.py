@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import run, trainaccel_cmd
-from trainaccel.bench.quality import summarize, time_to
+from trainaccel.bench.quality import render, summarize, time_to
 from trainaccel.bench.tasks import TASKS, get_task, load_text
 from trainaccel.bench.train import parse_arms
-from trainaccel.bench.worker import ARMS
+from trainaccel.bench.worker import ARMS, set_up_arm
 
 
 def test_text_task_is_the_python_reference_with_the_last_tenth_held_out():
@@ -102,6 +102,34 @@ def test_summaries_pair_repeats_and_judge_quality_against_plain_ddp():
     assert s["good"]["share_of_ceiling"] == pytest.approx(0.8) and s["baseline"]["share_of_ceiling"] == pytest.approx(
         0.3
     )
+
+
+def test_a_table_without_plain_ddp_shows_no_target_instead_of_failing(capsys):
+    run = {"seconds": 2.0, "curve": [[0, 0.0, 3.0, 0.1], [10, 2.0, 2.0, 0.3]], "final_validation_loss": 2.0}
+    run.update(final_validation_accuracy=0.3, bytes_per_step=0.0, comm_hook=None, parameters=3)
+    summary = summarize({"local": [run], "variant": [dict(run, seconds=4.0)]})
+    render(summary, "no baseline", "accuracy")
+    out = capsys.readouterr().out
+    assert "variant" in out and "50%" in out and "not reached" not in out
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_only_the_local_arm_exchanges_nothing_not_even_buffers(arm, tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if arm == "torch-bf16":
+        pytest.skip("torch's bf16 hook needs CUDA and NCCL")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        module = torch.nn.BatchNorm1d(3)  # buffers that DDP broadcasts at every forward unless told not to
+        model = DistributedDataParallel(module)
+        set_up_arm(model, arm)
+        # A broadcast per step is a barrier across the slow link: the ceiling would pay for communication.
+        assert model.broadcast_buffers is (arm != "local")
+    finally:
+        model = None
+        dist.destroy_process_group()
 
 
 def test_bad_arms_are_refused_naming_what_is_accepted():

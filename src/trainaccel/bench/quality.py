@@ -160,7 +160,7 @@ def render(summary: dict[str, dict], title: str, metric: str) -> None:
             f"{s['validation_loss']:.4f}",
             "-" if delta is None or local else f"{delta:+.1%}",
             f"{s['validation_accuracy']:.1%}",
-            "-" if local else ("not reached" if to_target is None and delta is not None else f"{to_target:.1f} s"),
+            "-" if local or delta is None else ("not reached" if to_target is None else f"{to_target:.1f} s"),
             "-" if local or s.get("speedup_to_target") is None else f"{s['speedup_to_target']:.2f}x",
             "-" if s["bytes_per_step"] is None else f"{s['bytes_per_step'] / 2**20:.2f} MiB",
         )

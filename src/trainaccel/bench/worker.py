@@ -47,6 +47,7 @@ def set_up_arm(model: DistributedDataParallel, arm: str) -> None:
     """Give the model the arm's communication hook: none, nothing (local), or torch's own bf16/fp16 one."""
     if arm == "local":
         model.register_comm_hook(None, no_communication)
+        model.broadcast_buffers = False  # no exchange at all: a buffer broadcast per step is a barrier over the link
     elif arm in TORCH_HOOKS:
         model.register_comm_hook(None, TORCH_HOOKS[arm])
 
