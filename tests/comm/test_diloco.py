@@ -73,6 +73,8 @@ def test_a_script_hook_under_node_scope_makes_each_worker_a_replica_and_says_so(
     assert len({r["own_hook"] for r in results}) == 1  # the sync at step 3 averaged all four
     warned = "and the script registered allreduce_hook: every worker is a replica of its own" in out
     assert warned == _node_scope(out)
+    # The one-time warning at the start quoted one replica per node's figures: the fallback quotes its own.
+    assert ("do not hold; each worker steps on its own gradients between syncs" in out) == _node_scope(out)
 
 
 @pytest.mark.multiprocess

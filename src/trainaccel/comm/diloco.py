@@ -270,7 +270,8 @@ class DiLoCo:
                 )
             warn_once(
                 f"sync_scope=node averages gradients within each node through a communication hook of its own, "
-                f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank)"
+                f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank), "
+                f"so the figures quoted when it started do not hold; {_MEASURED['rank']}"
             )
             self.scope, self._in_node = "rank", None
             self._hierarchy = self._build_hierarchy(hierarchical)
