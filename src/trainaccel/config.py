@@ -342,7 +342,8 @@ class Config:
     nan_check: str = _option(
         "off",
         _choice("off", "warn", "raise", booleans=("raise", "off")),
-        "check reduced gradients for NaN/Inf: off, warn (log the parameters) or raise",
+        "check reduced gradients (under sync_every: each sync's averaged parameter change) for NaN/Inf: off, warn "
+        "(log the parameters) or raise",
     )
     metrics_every: int = _option(
         0,

@@ -241,6 +241,33 @@ def test_state_dict_resumes_the_exact_trajectory(streaming):
 
 
 @pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("nan_check", ["off", "warn", "raise"])
+def test_nan_check_names_the_parameters_whose_synced_change_is_not_finite(nan_check, codec, trainaccel_messages):
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = Config.resolve(env={}, sync_every=2, nan_check=nan_check, outer_compression=codec)
+    diloco = DiLoCo(model, inner, config=config)
+    _step(model, inner, 1)
+    model[0].bias.register_hook(lambda grad: grad * float("nan"))  # this parameter's gradient alone
+    if nan_check == "raise":
+        with pytest.raises(FloatingPointError, match=r"at inner step 2 in: 0\.bias \(nan_check=raise\)"):
+            _step(model, inner, 2)
+    else:
+        _step(model, inner, 2)
+    warned = [m for m in trainaccel_messages if "non-finite parameter change" in m]
+    assert warned == (
+        [
+            "non-finite parameter change averaged by sync_every=2 at inner step 2 in: 0.bias (nan_check=warn): "
+            "a replica stepped on non-finite gradients since the last sync"
+        ]
+        if nan_check == "warn"
+        else []
+    )
+    assert diloco.syncs == (0 if nan_check == "raise" else 1)
+
+
+@pytest.mark.usefixtures("one_process_group")
 def test_a_skipped_gradscaler_step_counts_as_an_inner_step():
     model = _net()
     inner = torch.optim.SGD(model.parameters(), lr=0.01)

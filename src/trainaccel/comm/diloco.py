@@ -108,6 +108,8 @@ class DiLoCo:
         "synced_at": "`steps` when the replicas were last made equal (a sync of the whole model, or a look)",
         "syncs": "regular syncs (outer steps of a fragment) so far",
         "bytes_sent": "bytes this rank has put into syncs' allreduces",
+        "nan_check": "off, warn or raise: each sync's averaged change checked for NaN/Inf (no gradient is exchanged)",
+        "_names": "parameter names by id, for nan_check's message (empty when given parameters)",
         "_module": "the module whose parameters are trained (a DDP model's module); None when given parameters",
         "_params": "its trainable parameters, deduplicated",
         "_fragments": "the parameters split for staggered syncs (one fragment without sync_fragments)",
@@ -175,8 +177,10 @@ class DiLoCo:
                 "model without static_graph, which has nothing to optimise without the exchange"
             )
         self.steps = self.synced_at = self.syncs = self.bytes_sent = 0
+        self.nan_check, self._names = config.nan_check, {}
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
+            self._names = {id(p): name for name, p in self._module.named_parameters()}
             self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
             buffers = [b for b in self._module.buffers() if b.is_floating_point()]
         else:  # parameters (the Horovod API's optimizer): no module to watch for looks, no buffers
@@ -453,6 +457,8 @@ class DiLoCo:
         fragment.pending = None
         mean, buffers, sent = future.wait()
         self.bytes_sent += sent
+        if self.nan_check != "off":
+            self._check_finite(fragment, mean, buffers)
         with torch.no_grad():
             means = mean.split([a.numel() for a in fragment.anchors])
             if outer and fragment.outer is not None:
@@ -480,6 +486,26 @@ class DiLoCo:
             self.syncs += 1
             if len(self._fragments) == 1 and snapshot is None:
                 self.synced_at = self.steps
+
+    def _check_finite(self, fragment: _Fragment, mean: torch.Tensor, buffers: torch.Tensor | None) -> None:
+        """nan_check: a non-finite averaged change (the same bits on every rank, so every rank decides alike)."""
+        if bool(mean.isfinite().all()) and (buffers is None or bool(buffers.isfinite().all())):
+            return
+        bad = [
+            self._names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+            for p, part in zip(fragment.params, mean.split(_sizes(fragment.params)))
+            if not bool(part.isfinite().all())
+        ]
+        if buffers is not None and not bool(buffers.isfinite().all()):
+            bad.append("floating-point buffers")
+        message = (
+            f"non-finite parameter change averaged by sync_every={self.sync_every} at inner step {self.steps} in: "
+            f"{', '.join(bad)} (nan_check={self.nan_check}): a replica stepped on non-finite gradients since the "
+            "last sync"
+        )
+        if self.nan_check == "raise":
+            raise FloatingPointError(message)
+        log.warning(message)
 
     def _drain(self) -> None:
         """Apply every exchange in flight now (before a look, a checkpoint or the end)."""
