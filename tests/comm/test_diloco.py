@@ -78,6 +78,19 @@ def test_a_script_hook_under_node_scope_makes_each_worker_a_replica_and_says_so(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["sparse", "fp16", "bf16"])
+def test_sparse_and_pure_half_models_train_and_agree_at_a_look(ranks, kind):
+    results, out = ranks
+    assert len({r[f"kind/{kind}"] for r in results}) == 1  # the replicas averaged, bitwise equal on every rank
+    assert all(r[f"kind/{kind}/moved"] and r[f"kind/{kind}/finite"] for r in results)
+    grads = [r[f"kind/{kind}/grad"] for r in results]
+    if _node_scope(out):  # each node's workers average their gradients (sparse ones too), the nodes do not
+        assert grads[0] == grads[1] and grads[2] == grads[3] and grads[0] != grads[2]
+    else:
+        assert len(set(grads)) == 4
+
+
+@pytest.mark.multiprocess
 def test_static_graph_trains_under_node_scope(ranks):
     results, out = ranks
     if _node_scope(out):

@@ -43,6 +43,12 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
+def any_digest(module: nn.Module) -> str:
+    """The parameters' digest, whatever their dtype (numpy has no bfloat16)."""
+    values = torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+    return hashlib.sha256(values.numpy().tobytes()).hexdigest()
+
+
 def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
@@ -221,6 +227,34 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         train(model, optimizer, rank, 1, 3)  # step 3 syncs
         result["static_graph"] = digest(model.module)
+
+    # 10. Models users have: a sparse embedding (SGD), pure fp16 (SGD with momentum) and pure bf16 (AdamW) parameters.
+    for kind in ("sparse", "fp16", "bf16"):
+        if kind == "sparse":
+            torch.manual_seed(10)
+            module = nn.Sequential(nn.EmbeddingBag(40, 6, mode="sum", sparse=True), nn.Linear(6, 3))
+        else:
+            module = net(10).to(torch.float16 if kind == "fp16" else torch.bfloat16)
+        start = any_digest(module)
+        model = DDP(module)
+        if kind == "bf16":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        else:  # (AdamW's eps underflows in float16, with or without trainaccel)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(1, 5):  # step 3 syncs
+            x, y = batch(rank, step)
+            x = (x.abs() * 6).long().clamp(max=39) if kind == "sparse" else x.to(module[0].weight.dtype)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            if step == 1:
+                grad = module[-1].weight.grad.float()
+                result[f"kind/{kind}/grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()
+            optimizer.step()
+        model.module.state_dict()  # a look: the replicas averaged
+        result[f"kind/{kind}"] = any_digest(module)
+        result[f"kind/{kind}/moved"] = result[f"kind/{kind}"] != start
+        result[f"kind/{kind}/finite"] = all(bool(p.isfinite().all()) for p in module.parameters())
 
     # 6. The end: steps since the last sync are averaged by destroy_process_group().
     model = DDP(net(6))
