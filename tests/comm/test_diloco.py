@@ -36,6 +36,15 @@ def _node_scope(out: str) -> bool:
     return re.search(r"trainaccel config: .*\bsync_scope=(\w+)", out).group(1) == "node"
 
 
+def _assert_averaged_within_nodes_only_under_node_scope(grads: list[str], out: str) -> None:
+    """Gradient digests of ranks 0-3: equal within each node (0-1, 2-3) and not across under node scope; all
+    different under rank scope."""
+    if _node_scope(out):
+        assert grads[0] == grads[1] and grads[2] == grads[3] and grads[0] != grads[2]
+    else:
+        assert len(set(grads)) == 4
+
+
 @pytest.mark.multiprocess
 def test_zero_code_equals_diloco_by_hand(ranks):
     exact = "outer_compression=none" in ranks[1]
@@ -59,11 +68,7 @@ def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
 
 @pytest.mark.multiprocess
 def test_gradients_are_not_exchanged_across_replicas(ranks):
-    grads = [r["grad"] for r in ranks[0]]
-    if _node_scope(ranks[1]):  # averaged within each node (ranks 0-1, 2-3), not across
-        assert grads[0] == grads[1] and grads[2] == grads[3] and grads[0] != grads[2]
-    else:
-        assert len(set(grads)) == 4
+    _assert_averaged_within_nodes_only_under_node_scope([r["grad"] for r in ranks[0]], ranks[1])
 
 
 @pytest.mark.multiprocess
@@ -83,11 +88,7 @@ def test_sparse_and_pure_half_models_train_and_agree_at_a_look(ranks, kind):
     results, out = ranks
     assert len({r[f"kind/{kind}"] for r in results}) == 1  # the replicas averaged, bitwise equal on every rank
     assert all(r[f"kind/{kind}/moved"] and r[f"kind/{kind}/finite"] for r in results)
-    grads = [r[f"kind/{kind}/grad"] for r in results]
-    if _node_scope(out):  # each node's workers average their gradients (sparse ones too), the nodes do not
-        assert grads[0] == grads[1] and grads[2] == grads[3] and grads[0] != grads[2]
-    else:
-        assert len(set(grads)) == 4
+    _assert_averaged_within_nodes_only_under_node_scope([r[f"kind/{kind}/grad"] for r in results], out)  # sparse too
 
 
 @pytest.mark.multiprocess

@@ -45,8 +45,7 @@ def digest(module: nn.Module) -> str:
 
 def any_digest(module: nn.Module) -> str:
     """The parameters' digest, whatever their dtype (numpy has no bfloat16)."""
-    values = torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
-    return hashlib.sha256(values.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat(module).float().numpy().tobytes()).hexdigest()
 
 
 def flat(module: nn.Module) -> torch.Tensor:
