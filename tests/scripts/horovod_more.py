@@ -191,6 +191,17 @@ for step in range(2):
     corrected = [c + res for c, res in zip(coeffs, residuals)]
     residuals = [c - top2(c) for c in corrected]
     check(f"topk step {step}", close(p8.grad, sum(top2(c) for c in corrected) / n))
+# A step whose gradient is not finite on one rank (a GradScaler's overflow step, a loss spike): the
+# bucket is reduced exactly, as a plain allreduce would, and the residuals are cleared, so no
+# infinity is kept in a residual to be sent at later steps.
+opt.zero_grad()
+(p8 * (coeffs[r] * float("inf") if r == 0 else coeffs[r])).sum().backward()
+opt.step()
+check("topk non-finite step passed on exactly", bool(torch.isposinf(p8.grad).all()))
+opt.zero_grad()
+(p8 * coeffs[r]).sum().backward()
+opt.step()
+check("topk step after a non-finite one", close(p8.grad, sum(top2(c) for c in coeffs) / n))
 raises(
     "topk in allreduce",
     lambda: hvd.allreduce(torch.ones(2), compression=hvd.Compression.topk()),

@@ -1,9 +1,9 @@
 """One codec-encoded sum over a process group: allreduce of summable payloads, else allgather and decode.
 
-`start_exchange` is the engine's form, run on its communication thread: `finish()` waits, and
-when a lossy payload's sum is not finite (a value beyond the codec's range, or a non-finite
-gradient) it reduces the input again exactly, on every rank alike, and clears the residual.
-`exchange` is the callback form, for callers that issue from their own thread.
+`start_exchange` issues the collective; `finish()` waits, and when a lossy payload's sum is not
+finite (a value beyond the codec's range, or a non-finite gradient) it reduces the input again
+exactly, on every rank alike, and clears the residual. Callers finish exchanges in one order on
+every rank (the engine's communication thread, or the caller's own thread), so the retries match.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import Codec, ErrorFeedback
-from trainaccel.comm.exit_guard import track
+from trainaccel.context import log, warn_once
 from trainaccel.monitor import timeline
 
 # torch 2.13 renamed the tensor forms of these collectives; older releases have only the old names.
@@ -111,6 +111,24 @@ class Pending:
         return Outcome(exact, self.sent + exact.numel() * exact.element_size(), fallback)
 
 
+def say_fallback(name: str, where: str, fallback: str, step: int | None = None) -> None:
+    """Say once per job that a lossy sum was redone exactly (`fallback`); later cases are logged at debug level."""
+    at = f" at step {step}" if step is not None else ""
+    log.debug("compression=%s: %s was not finite%s: reduced exactly (%s)", name, where, at, fallback)
+    if fallback == EXACT:
+        warn_once(
+            f"compression={name}:{at} the compressed sum of {where} was not finite (a gradient beyond the "
+            "codec's range): it was reduced exactly instead, as plain DDP would, and its residual cleared; "
+            "later cases are logged at debug level"
+        )
+    else:
+        warn_once(
+            f"compression={name}:{at} the gradient of {where} is not finite on some worker: it is passed on "
+            "as plain DDP would (a GradScaler skips such a step) and the residual is cleared; later cases are "
+            "logged at debug level"
+        )
+
+
 def note_overflow(codec: Codec, key: Any) -> None:
     """Tell a codec with a dynamic scale that a sum of `key`'s payloads was not finite."""
     overflowed = getattr(codec, "overflowed", None)
@@ -157,21 +175,3 @@ def decode(codec: Codec, parts: list[torch.Tensor], ctx: Any, out: torch.Tensor 
     for part in parts[1:]:
         total += codec.decompress(part, ctx)
     return total
-
-
-def exchange(
-    codec: Codec,
-    feedback: ErrorFeedback | None,
-    tensor: torch.Tensor,
-    key: object,
-    group: dist.ProcessGroup,
-    scale: float = 1.0,
-) -> tuple[torch.futures.Future[torch.Tensor], int]:
-    """Start summing `scale * tensor` over `group` through `codec`; the future decodes in a callback.
-
-    Without the engine's exact retry: a callback cannot issue a collective in a fixed order.
-    Returns the future and the bytes this rank receives.
-    """
-    pending = Pending(codec, feedback, tensor, key, group, scale, None, None)
-    fut = pending.work.get_future()
-    return fut.then(track(lambda _: decode(codec, pending.parts, pending.ctx))), pending.sent

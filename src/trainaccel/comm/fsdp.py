@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import ErrorFeedback, get_codec
-from trainaccel.comm.exchange import EXACT, start_exchange
+from trainaccel.comm.exchange import say_fallback, start_exchange
 from trainaccel.config import Config
-from trainaccel.context import info_once, warn_once
+from trainaccel.context import info_once
 
 CODECS = ("none", "fp16", "bf16")
 _states: weakref.WeakKeyDictionary[torch.nn.Module, FSDPCommState] = weakref.WeakKeyDictionary()
@@ -90,11 +90,6 @@ def _reducer(state: FSDPCommState, key: str, scale: float):
         state.reductions += 1
         if outcome.fallback is not None:
             state.fallbacks += 1
-            if outcome.fallback == EXACT:
-                info_once(
-                    f"a cross-node sum in {type(state.codec).__name__} overflowed: redone exactly (once per case)"
-                )
-            else:
-                warn_once(f"block {key}: the gradient itself is not finite (the exact sum holds Inf or NaN)")
+            say_fallback(state.codec.name, f"block {key}", outcome.fallback)
 
     return reduce

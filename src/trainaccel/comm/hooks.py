@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
-from trainaccel.comm.exchange import EXACT, NOT_FINITE, start_exchange
+from trainaccel.comm.exchange import EXACT, NOT_FINITE, say_fallback, start_exchange
 from trainaccel.comm.exit_guard import track
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.momentum import MovedMomentum, bucket_velocity
@@ -347,20 +347,7 @@ def _powersgd_bucket(state: CommState, bucket: dist.GradBucket, step: int) -> to
 def _note_fallback(state: CommState, where: str, step: int, fallback: str) -> None:
     """Count an exact retry; say once per job what happened and what it means."""
     state.fallbacks += 1
-    name = "powersgd" if state.powersgd is not None else state.codec.name
-    log.debug("compression=%s: %s was not finite at step %d: reduced exactly (%s)", name, where, step, fallback)
-    if fallback == EXACT:
-        warn_once(
-            f"compression={name}: at step {step} the compressed sum of {where} was not finite (a gradient "
-            "beyond the codec's range): that bucket was reduced exactly instead, as plain DDP would, and its "
-            "residual cleared; later cases are logged at debug level"
-        )
-    else:
-        warn_once(
-            f"compression={name}: at step {step} the gradient of {where} is not finite on some worker: it is "
-            "passed on as plain DDP would (a GradScaler skips such a step) and the residual is cleared; "
-            "later cases are logged at debug level"
-        )
+    say_fallback("powersgd" if state.powersgd is not None else state.codec.name, where, fallback, step)
 
 
 def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm.exchange import exchange
+from trainaccel.comm.exchange import say_fallback, start_exchange
 from trainaccel.horovod import negotiation, ops
 from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
@@ -235,8 +235,7 @@ class _DistributedOptimizer:
         ps = self._process_set
         negotiation.negotiate("allgather", f"bucket {index}", flat, among=ps)
         codec, feedback = self._compression.codec, self._compression.feedback
-        future, _ = exchange(codec, feedback, flat, index, ps.group or dist.group.WORLD, 1.0 / self._predivide)
-        return future
+        return start_exchange(codec, feedback, flat, index, ps.group or dist.group.WORLD, 1.0 / self._predivide)
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting buckets still waiting) and write them to `.grad`."""
@@ -250,8 +249,11 @@ class _DistributedOptimizer:
                 p.grad = wait()
             if handle is None:
                 continue
-            if not isinstance(handle, ops.Handle):  # a codec exchange's future
-                flat = handle.wait()
+            if not isinstance(handle, ops.Handle):  # a codec's exchange, finished in bucket order on every rank
+                outcome = handle.finish()  # a sum that is not finite is redone exactly, alike on every rank
+                if outcome.fallback is not None:
+                    say_fallback(self._compression.name, f"bucket {handle.key}", outcome.fallback)
+                flat = outcome.result
             else:
                 flat = self._compression.decompress(ops.synchronize(handle), ctx)
             if self._op == Average:
