@@ -70,12 +70,10 @@ def test_demo_on_a_slow_link_reports_time_and_validation_loss_per_arm(tmp_path):
     proc = run([*trainaccel_cmd(), "demo", "--steps", "12", "--json", out], env={"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 nodes x 2 workers, link 500mbit" in proc.stdout and "validation loss" in proc.stdout
-    arms = json.loads(out.read_text())["arms"]
+    report = json.loads(out.read_text())
+    arms = report["arms"]
     assert list(arms) == ["baseline", "torch-fp16", "trainaccel", "local", "sync-every-2"]
-    assert json.loads(out.read_text())["arm_options"]["sync-every-2"] == {
-        "sync_every": "2",
-        "outer_compression": "int8",
-    }
+    assert report["arm_options"]["sync-every-2"] == {"sync_every": "2", "outer_compression": "int8"}
     for arm in arms.values():
         assert len(arm["seconds"]) == 1 and arm["median_seconds"] > 0 and arm["validation_loss"] > 0
     assert set(namespaces("ta")) <= before, "the emulated cluster was not removed"
