@@ -4,7 +4,9 @@ namespace or process is left behind."""
 
 import os
 import re
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -50,11 +52,22 @@ def _run(fault):
     return result, hang_timeout, namespaces(prefix)
 
 
+def _temporary_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("trainaccel-*"))
+
+
 @pytest.fixture(scope="module")
 def results():
+    before = _temporary_folders()
     # All at once: they mostly wait (for the deadline, the store's silence, the straggler).
     with ThreadPoolExecutor(len(FAULTS)) as pool:
-        return dict(zip(FAULTS, pool.map(_run, FAULTS)))
+        done = dict(zip(FAULTS, pool.map(_run, FAULTS)))
+    done["left_in_tmp"] = _temporary_folders() - before
+    return done
+
+
+def test_no_temporary_folder_is_left_even_by_a_killed_launcher(results):
+    assert results["left_in_tmp"] == set()
 
 
 @pytest.mark.parametrize("fault", [f for f in FAULTS if f != "slow"])

@@ -94,7 +94,8 @@ def _elastic_nodes(script, out, *args, env=None) -> tuple:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                env={**os.environ, **(env or {})},
+                # A launcher killed like a lost node cannot remove its temporary folders: keep them in `out`.
+                env={**os.environ, "TMPDIR": str(out), **(env or {})},
             )
         )
     try:

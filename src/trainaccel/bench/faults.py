@@ -18,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -110,7 +111,10 @@ def run_fault(
     last = NODES * per_node - 1
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     env["GLOO_SOCKET_IFNAME"] = IFACE  # the node's own link, not the loopback its host name resolves to
-    with EmulatedCluster(Emulation(NODES, per_node, "1gbit"), prefix) as cluster:
+    # A launcher killed with its node cannot remove its temporary folders: they go here, removed after the run.
+    scratch = tempfile.TemporaryDirectory(prefix="trainaccel-faults-")
+    env["TMPDIR"] = scratch.name
+    with scratch, EmulatedCluster(Emulation(NODES, per_node, "1gbit"), prefix) as cluster:
         procs = []
         for node in range(NODES):
             command = [
