@@ -51,3 +51,8 @@ def test_init_hooks_new_models_but_keeps_a_scripts_own_hook(ranks):
         assert r["hooks"]["auto"] == ["trainaccel_comm_hook", "fp16"]
         assert r["hooks"]["own"] == ["allreduce_hook", True]
         assert r["hooks"]["plain"][0] in (None, "") and r["hooks"]["plain"][1] is True
+
+
+def test_powersgd_starts_beside_a_sparse_gradient_in_the_last_bucket(ranks):
+    for r in ranks:
+        assert r["powersgd_sparse"]["iter"] == 4 >= r["powersgd_sparse"]["start"]  # every step counted

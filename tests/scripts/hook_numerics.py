@@ -95,6 +95,29 @@ found["hooks"] = {
     "plain": [plain._get_ddp_logging_data().get("comm_hook"), comm_state(plain) is None],
 }
 
+
+class SparseFirst(nn.Module):
+    """A sparse embedding registered first: DDP puts its gradient in the last bucket, the one PowerSGD counts at."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 16)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return self.head(self.embedding(ids)).pow(2).mean()
+
+
+# powersgd beside a sparse gradient: the dense buckets are compressed from its start step on, whichever bucket is last.
+torch.manual_seed(0)
+model = DDP(SparseFirst(), find_unused_parameters=True)
+state = register(model, compression="powersgd", compression_warmup=2)
+for step in range(4):
+    model(torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(step * 2 + rank))).backward()
+    model.zero_grad()
+found["powersgd_sparse"] = {"iter": state.powersgd.iter, "start": state.powersgd.start_powerSGD_iter}
+
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(found, f)
 dist.destroy_process_group()

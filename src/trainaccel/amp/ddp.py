@@ -146,7 +146,8 @@ def _before_forward(state: AmpState, training: bool | None, observer: StepObserv
     if enabled and state.dtype == torch.float16 and _observed.scaler is None and training and torch.is_grad_enabled():
         raise RuntimeError(
             "amp=fp16 needs loss scaling, or small gradients underflow to zero: add "
-            "`optimizer = trainaccel.amp.scaled(optimizer)` after building the optimizer (or use amp=bf16)"
+            "`optimizer = trainaccel.amp.scaled(optimizer)` after building the optimizer, or use amp=bf16 (a "
+            "script with its own GradScaler keeps it with its own autocast, without amp=fp16)"
         )
     state.forwards += 1
     state.autocast_forwards += enabled

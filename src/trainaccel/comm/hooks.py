@@ -131,6 +131,9 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
         else:
             exact_first = False
         if buffer.is_sparse:
+            if state.powersgd is not None:
+                # torch's PowerSGD counts steps at its last bucket: if this is it, count here, or it never starts
+                state.powersgd.maybe_increase_iter(bucket)
             return timeline.traced("sparse allreduce", index, lambda _: _exact(state, buffer, sparse=True))(None)
         if state.powersgd is not None:
             return timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))(None)
