@@ -220,6 +220,15 @@ def run_checks(script: str | Path, out_dir: Path, workers: int, *args) -> list[d
     return ranks
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_keep_temporary_files_here(tmp_path_factory):
+    """Processes started by tests write temporary files (torchrun leaves a log folder per run) under pytest's own
+    temporary folder, which pytest prunes, not in /tmp."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def isolated_by_shutdown():
     """Each test leaves torch and the environment as trainaccel found them: init()'s changes undone, and the

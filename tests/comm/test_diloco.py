@@ -92,6 +92,15 @@ def test_sparse_and_pure_half_models_train_and_agree_at_a_look(ranks, kind):
 
 
 @pytest.mark.multiprocess
+def test_with_two_optimizers_the_replicas_are_equal_right_after_each_sync(ranks):
+    results, out = ranks
+    if re.search(r"trainaccel config: .*\bsync_fragments=(\d+)", out).group(1) != "1":
+        pytest.skip("streaming: fragments sync at staggered steps, so the whole model is equal at looks only")
+    for step in (3, 6):
+        assert len({r[f"two_optimizers/{step}"] for r in results}) == 1, step
+
+
+@pytest.mark.multiprocess
 def test_static_graph_trains_under_node_scope(ranks):
     results, out = ranks
     if _node_scope(out):
@@ -208,6 +217,46 @@ def test_streaming_equals_staggered_delayed_outer_steps_by_hand(outer, fragments
     assert diloco.syncs == sum(1 + (11 - overlap - (f + 1) * 4 // fragments) // 4 for f in range(fragments))
     for got, want in zip(model.parameters(), _by_hand(11, 4, outer, split, overlap)):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("how", ["found", "given", "built_before", "stale", "sparse_first"])
+def test_with_two_optimizers_an_inner_step_ends_after_both(how):
+    """Two AdamW on the two layers are one AdamW on all: the syncs come after both, as DiLoCo by hand with one."""
+    model = _net()
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    if how == "sparse_first":  # the second layer's optimizer steps first: the order does not matter
+        first, second = second, first
+    if how == "built_before":  # not seen built: it joins after the first inner step ended, counted in it
+        early = torch.optim.AdamW(second, lr=0.01)
+    diloco = DiLoCo(model, sync_every=3, outer_optimizer="nesterov") if how != "given" else None
+    optimizers = [torch.optim.AdamW(first, lr=0.01)]
+    optimizers.append(early if how == "built_before" else torch.optim.AdamW(second, lr=0.01))
+    if how == "given":
+        diloco = DiLoCo(model, optimizers, sync_every=3, outer_optimizer="nesterov")
+    if how == "stale":  # built holding the model, never stepped: the first inner step ends at the second forward
+        stale = torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: F841 (alive: its steps would count)
+    both = _Both(optimizers)
+    for i in range(1, 8):
+        _step(model, both, i)
+    assert diloco.steps == 7 and diloco.syncs == 2
+    for got, want in zip(model.parameters(), _by_hand(7, 3, "nesterov")):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+
+
+class _Both:
+    """Several optimizers stepped one after the other, as a training loop with two of them does."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
 
 
 def test_fragments_are_contiguous_runs_of_about_equal_size():

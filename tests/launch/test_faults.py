@@ -53,7 +53,9 @@ def _run(fault):
 
 
 def _temporary_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("trainaccel-*"))
+    # This process's temporary folder, and the one its children are given (conftest).
+    places = {Path(tempfile.gettempdir()), Path(os.environ.get("TMPDIR", tempfile.gettempdir()))}
+    return {folder for place in places for folder in place.glob("trainaccel-*")}
 
 
 @pytest.fixture(scope="module")

@@ -255,6 +255,26 @@ def main() -> None:
         result[f"kind/{kind}/moved"] = result[f"kind/{kind}"] != start
         result[f"kind/{kind}/finite"] = all(bool(p.isfinite().all()) for p in module.parameters())
 
+    # 11. Two optimizers (a recommender's: AdamW for the dense layers, SparseAdam for a sparse embedding): an inner
+    # step ends once both stepped, so right after a sync step the replicas are equal with no look.
+    torch.manual_seed(11)
+    module = nn.Sequential(nn.EmbeddingBag(40, 6, mode="sum", sparse=True), nn.Linear(6, 3))
+    model = DDP(module)
+    optimizers = [
+        torch.optim.AdamW(module[1].parameters(), lr=LR),
+        torch.optim.SparseAdam(module[0].parameters(), lr=LR),
+    ]
+    for step in range(1, 2 * H + 1):
+        x, y = batch(rank, step)
+        loss = nn.functional.mse_loss(model((x.abs() * 6).long().clamp(max=39)), y)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        if step % H == 0:
+            result[f"two_optimizers/{step}"] = any_digest(module)  # flat(), not state_dict(): no look
+
     # 6. The end: steps since the last sync are averaged by destroy_process_group().
     model = DDP(net(6))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -2,9 +2,12 @@
 their averaged parameter change.
 
 Zero-code with `sync_every` (`trainaccel run --sync-every H`): every DDP model built after `init()` stops
-exchanging gradients, and the script's own optimizer becomes the inner one. Explicitly:
+exchanging gradients, and the script's own optimizers become the inner one: an inner step ends once every optimizer
+holding the model's parameters has stepped (an AdamW and a SparseAdam for an embedding: both), or at the model's next
+training forward. Explicitly:
 
-    diloco = trainaccel.comm.DiLoCo(model, optimizer, sync_every=50)   # a DDP model, a module or parameters
+    diloco = trainaccel.comm.DiLoCo(model, optimizer, sync_every=50)   # a DDP model, a module or parameters;
+                                                                        # one optimizer or a list of them
 
 Replicas differ between syncs. They are made equal (averaged, on every rank at once) whenever the script looks at
 the model on every rank: `.eval()` or an evaluation forward of the model or its module, `state_dict()` of either,
@@ -24,7 +27,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +68,8 @@ _MEASURED = {
 _live: weakref.WeakValueDictionary[int, DiLoCo] = weakref.WeakValueDictionary()
 _made = 0  # DiLoCo objects made in this process since init: the next one's index
 _real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# Optimizers built since init(sync_every=...) (zero-code): a model's first inner step waits for each that holds it.
+_built: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 class _Fragment:
@@ -120,7 +125,11 @@ class DiLoCo:
         "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), seconds in syncs]",
         "_measured": "auto: the future of the slowest rank's (sync, step) seconds, read at the next round's end",
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
-        "_inner": "a weak reference to the optimizer whose steps count (the first to step the parameters)",
+        "_given": "whether the optimizers were given (their steps alone count) rather than found holding the model",
+        "_holders": "the optimizers whose steps make one inner step: the given ones, or those seen stepping the model",
+        "_known": "whether `_holders` is complete: given, or learned when the first inner step ended",
+        "_stepped": "ids of the optimizers that stepped the model since the last inner step ended",
+        "_holding": "optimizer -> (parameter groups seen, whether it holds a parameter of the model), a cache",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
         "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
         "_forward_at": "`steps` when a training forward last began: past a look at that step, though not done",
@@ -131,7 +140,7 @@ class DiLoCo:
     def __init__(
         self,
         model: torch.nn.Module | Iterable[torch.Tensor],
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
         sync_every: int | str | None = None,
         sync_scope: str | None = None,
@@ -201,7 +210,10 @@ class DiLoCo:
             self.interval = max(AUTO_FIRST, self._least_interval())
         self._schedule(self.warmup)
         self._outer_settings = (config.outer_lr, config.outer_momentum)
-        self._inner = weakref.ref(optimizer) if optimizer is not None else None
+        given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
+        self._given, self._holders, self._known = bool(given), weakref.WeakSet(given), bool(given)
+        self._stepped: set[int] = set()
+        self._holding: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = weakref.WeakKeyDictionary()
         self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
         self._engine_group = engine_group(self.group)
@@ -307,15 +319,15 @@ class DiLoCo:
     # -- what the training loop drives -------------------------------------------------------------------------
 
     def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether `optimizer`'s steps are this model's inner steps (the first optimizer to step it is adopted)."""
-        inner = self._inner() if self._inner is not None else None
-        if inner is not None:
-            return inner is optimizer
-        ids = {id(p) for p in self._params}
-        if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
-            self._inner = weakref.ref(optimizer)
-            return True
-        return False
+        """Whether `optimizer`'s steps are part of this model's inner steps: a given one, or one holding a parameter."""
+        if self._given:
+            return optimizer in self._holders
+        groups, holds = self._holding.get(optimizer, (-1, False))
+        if groups != len(optimizer.param_groups):  # new, or add_param_group() since
+            ids = {id(p) for p in self._params}
+            holds = any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
+            self._holding[optimizer] = (len(optimizer.param_groups), holds)
+        return holds
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._started and self.steps >= self.warmup and self._holds(optimizer):
@@ -324,6 +336,33 @@ class DiLoCo:
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
             return
+        if optimizer not in self._holders:
+            self._holders.add(optimizer)
+            if self._known and not self._stepped:
+                # It stepped after this iteration's inner step ended (built before init(), or stepping later on):
+                # from the next iteration on the inner step waits for it too; this step counts in the ended one.
+                info_once(
+                    f"sync_every: another optimizer ({type(optimizer).__name__}) steps the model's parameters; "
+                    "from the next step on, an inner step ends once it has stepped too"
+                )
+                return
+        self._stepped.add(id(optimizer))
+        if self._known or self._module is None:
+            expected = list(self._holders)
+        else:  # the first inner step: every optimizer built holding the model, and any seen stepping it
+            expected = [o for o in _built if self._holds(o)] + list(self._holders)
+        if all(id(o) in self._stepped for o in expected):
+            self._end_step()
+
+    def _end_pending(self) -> None:
+        """At the model's next training forward: the inner step in progress is over, whoever stepped in it."""
+        if self._stepped:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        """An inner step ended (every optimizer holding the model stepped): count it, start the syncs now due."""
+        self._stepped.clear()
+        self._known = True
         self.steps += 1
         if self.steps == self.warmup and self._ddp is not None:
             self._switch_off_exchange()  # the warm-up's steps were DDP's: from the next step on, local steps
@@ -524,7 +563,7 @@ class DiLoCo:
         if not self._started or not dist.is_initialized():
             return  # nothing to average, or no group left to average over (after destroy_process_group())
         self._drain()
-        if self.steps == self.synced_at:
+        if self.steps == self.synced_at and not self._stepped:
             return
         lookers = self._lookers()
         if lookers is None:
@@ -576,12 +615,13 @@ class DiLoCo:
 
     def _watch_looks(self) -> None:
         module = self._module
-        look, trained = self._look, self._trained  # held by the module's hooks: this object lives as long as it
+        look, trained, end = self._look, self._trained, self._end_pending  # held by the module's hooks
 
         def before_forward(module: torch.nn.Module, args: tuple) -> None:
             if not (module.training and torch.is_grad_enabled()):
                 look("an evaluation forward")
             else:
+                end()  # an optimizer that stepped since the last inner step ended did so in the one now over
                 trained()
 
         def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -805,9 +845,26 @@ def _restore_attribute(owner: Any, name: str, value: Any) -> None:
 # -- process-wide: optimizer steps, GradScaler's skipped steps, destroy_process_group, heartbeats ----------------
 
 
+def record_optimizers() -> None:
+    """Note every optimizer built from now on (until `shutdown()`): a model's first inner step waits for each of its
+    own, so the first sync already follows all of them."""
+    if not context.first_time("optimizers built"):
+        return
+    original = torch.optim.Optimizer.__init__
+
+    @functools.wraps(original)
+    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _built.add(self)
+
+    context.patch(torch.optim.Optimizer, "__init__", __init__)
+    context.on_undo("optimizers built", _built.clear)
+
+
 def _install() -> None:
     if not context.first_time("diloco"):
         return
+    record_optimizers()
     watch_optimizer_steps(before=_before_any_step, after=_after_any_step)
     from torch.amp.grad_scaler import GradScaler
 

@@ -209,6 +209,8 @@ def bytes_per_step(ddp_model: DistributedDataParallel, sent_before: int | None =
 def patch_ddp(config: Config) -> None:
     """Every DDP model constructed from now on gets trainaccel's hook for `config` (idempotent; undone by shutdown)."""
     context.set_config(config)
+    if config.sync_every:
+        diloco.record_optimizers()  # before the script builds its optimizers: a model's inner step waits for each
     if not context.first_time("DDP patch"):
         return
     # A checkpoint is often loaded into the module before DDP wraps it: keep its engine state for the wrap.
