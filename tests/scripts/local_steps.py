@@ -30,8 +30,9 @@ net = nn.Linear(8, 4)
 reference = copy.deepcopy(net)
 model = DDP(net)
 state = register(model, nan_check="warn")  # trainaccel's own hook (not DDP's builtin): it counts reductions
-optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-steps = LocalSteps(model, optimizer, every=EVERY)
+# Two optimizers (the weight's and the bias's), as a script with a sparse embedding has: both step every EVERY passes.
+optimizers = [torch.optim.SGD([net.weight], lr=LR), torch.optim.SGD([net.bias], lr=LR)]
+steps = LocalSteps(model, optimizers, every=EVERY)
 syncing = []
 for i in range(PASSES):
     syncing.append(steps.syncing)

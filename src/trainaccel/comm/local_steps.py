@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -15,7 +16,7 @@ from trainaccel.observer import observe
 
 
 class LocalSteps:
-    """Wrap each forward+backward in `with steps:`; every `every`-th pass reduces and steps.
+    """Wrap each forward+backward in `with steps:`; every `every`-th pass reduces and steps the optimizer(s).
 
     The other passes run under DDP's `no_sync()`, so their gradients add up locally and cross
     the network once: traffic drops to 1/`every`, like a batch `every` times larger. With
@@ -30,7 +31,7 @@ class LocalSteps:
     def __init__(
         self,
         model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         every: int | None = None,
         average: bool = True,
     ):
@@ -40,7 +41,9 @@ class LocalSteps:
             raise ValueError(f"invalid every={every!r}; accepted: an integer >= 1")
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"LocalSteps needs a DistributedDataParallel model, got {type(model).__name__}")
-        self.model, self.optimizer, self.every, self.average = model, optimizer, every, average
+        # Several optimizers (AdamW and SparseAdam for a sparse embedding): each steps at every `every`-th pass.
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self.model, self.every, self.average = model, every, average
         self.passes = 0
         self._in_pass = False
         self._no_sync: contextlib.AbstractContextManager | None = None
@@ -73,8 +76,10 @@ class LocalSteps:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             if grads:
                 torch._foreach_div_(grads, float(self.every))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"passes": self.passes, "every": self.every}
