@@ -1,5 +1,6 @@
 """Sharding: which blocks are sharded, what is refused, and DDP scripts trained sharded with no code change."""
 
+import contextlib
 import json
 import time
 
@@ -166,6 +167,34 @@ def test_amp_bf16_under_shard_is_fsdp2s_mixed_precision(one_rank):
     output.float().sum().backward()
     assert {p.dtype for p in ddp.parameters()} == {torch.float32}  # kept, and their gradients, in float32
     assert {p.grad.dtype for p in ddp.parameters()} == {torch.float32}
+
+
+class _WithUnused(torch.nn.Module):
+    """Two used layers and one never used, each sharded on its own (shard_min_params=10)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.unused = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_no_sync_under_amp_bf16_gives_the_accumulated_gradients_with_an_unused_parameter(one_rank, find_unused):
+    # FSDP2's own accumulation fails here under mixed precision (pytorch/pytorch#196996); the sum must not change.
+    trainaccel.init(shard="full", amp="bf16", shard_min_params=10, start_process_group=False)
+    x1, x2 = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.ones(3, 4)
+    grads = []
+    for accumulate in (True, False):
+        ddp = torch.nn.parallel.DistributedDataParallel(_WithUnused(), find_unused_parameters=find_unused)
+        with ddp.no_sync() if accumulate else contextlib.nullcontext():
+            ddp(x1).float().sum().backward()
+        ddp(x2).float().sum().backward()
+        grads.append([p.grad.full_tensor() for p in ddp.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) >= 4
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_an_optimizer_that_stepped_before_the_wrap_is_refused(one_rank):

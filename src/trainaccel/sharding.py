@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel import context
 from trainaccel.comm import failfast
 from trainaccel.config import Config
-from trainaccel.context import current_config
+from trainaccel.context import current_config, info_once
 from trainaccel.observer import observe, process_step, watch_optimizer_steps
 
 MODES = ("full", "hybrid")
@@ -200,6 +200,7 @@ class ShardedDataParallel(DistributedDataParallel):
         self.device_ids = bound.get("device_ids")
         self.dim = bound.get("dim", 0)
         self.shard_mode = config.shard
+        self.mixed_precision = config.amp != "off"  # FSDP2's MixedPrecisionPolicy: see no_sync()
         # Heartbeats and the step counter, as for a DDP model: a stalled peer is named, not only timed out.
         observe(self)
         failfast.start_heartbeat()
@@ -216,6 +217,17 @@ class ShardedDataParallel(DistributedDataParallel):
     @contextlib.contextmanager
     def no_sync(self) -> Any:
         """Gradients accumulate unreduced (unsharded, in full) until the first backward outside the block."""
+        if self.mixed_precision:
+            # FSDP2's accumulation without reduction fails under its MixedPrecisionPolicy when a pass leaves a
+            # parameter unused (pytorch/pytorch#196996): reduced at every pass instead, the sharded gradients
+            # add up to the same sum.
+            info_once(
+                f"no_sync() under shard={self.shard_mode} with amp=bf16 reduces at every pass (the same "
+                "accumulated gradients, more communication): FSDP2 cannot accumulate unreduced gradients under "
+                "mixed precision when a pass leaves a parameter unused"
+            )
+            yield
+            return
         self.module.set_requires_gradient_sync(False)
         try:
             yield
