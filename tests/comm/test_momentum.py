@@ -56,6 +56,15 @@ def test_shutdown_gives_the_optimizer_its_settings_back(ranks):
 
 
 @pytest.mark.multiprocess
+def test_sparse_gradients_keep_their_optimizers_momentum(ranks):
+    results, out = ranks
+    for r in results:
+        assert r["sparse"]["two"] == [[0.0], [0.9]]  # the dense layers' taken over, the embedding's kept
+        assert r["sparse"]["one"] == [[0.9, 0.9]]  # one optimizer for both: not taken over
+    assert out.count("a parameter group with sparse gradients has momentum") == 1  # said once, by rank 0
+
+
+@pytest.mark.multiprocess
 def test_adaptive_optimizers_are_warned_about_once(ranks):
     out = ranks[1]
     assert out.count("compression=topk with AdamW") == 1  # once per job (rank 0)

@@ -172,6 +172,41 @@ for step in range(3):
     adam.step()
 trainaccel.shutdown()
 
+
+class WithSparse(nn.Module):
+    """A sparse embedding bag in front of the dense layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.embedding, self.head = nn.EmbeddingBag(20, 12, mode="sum", sparse=True), build(1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids))
+
+
+# Sparse gradients are averaged exactly, without the engine's velocities: the optimizer that steps them keeps its
+# momentum (an optimizer of its own; or one with the dense layers too, which is then not taken over, with a warning).
+found["sparse"] = {}
+for layout in ("two", "one"):
+    model = DDP(WithSparse())
+    register(model, compression="topk", compression_ratio=0.5, compression_warmup=1)
+    dense, sparse = list(model.module.head.parameters()), list(model.module.embedding.parameters())
+    if layout == "two":
+        opts = [torch.optim.SGD(dense, lr=0.1, momentum=0.9), torch.optim.SGD(sparse, lr=0.1, momentum=0.9)]
+    else:
+        opts = [torch.optim.SGD([{"params": dense}, {"params": sparse}], lr=0.1, momentum=0.9)]
+    for step in range(4):
+        ids = torch.randint(0, 20, (8, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = nn.functional.mse_loss(model(ids), batch(rank, step)[1])
+        for opt in opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in opts:
+            opt.step()
+    found["sparse"][layout] = [[group["momentum"] for group in opt.param_groups] for opt in opts]
+    trainaccel.shutdown()
+
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     json.dump(found, f)
 dist.destroy_process_group()

@@ -75,6 +75,8 @@ def attach(observer: StepObserver, state: Any, compression: str, momentum: float
     warned: set[str] = set()
 
     def on_step(observer: StepObserver, optimizer: torch.optim.Optimizer, before: bool) -> None:
+        if _only_sparse(optimizer):
+            return  # its gradients are averaged exactly, not through the codec: nothing to warn of or take over
         kind = type(optimizer).__name__
         if kind not in warned:
             warned.add(kind)
@@ -238,11 +240,20 @@ def _why_not(observer: StepObserver, optimizer: torch.optim.Optimizer) -> str | 
         if any(not observer.holds(p) for p in group["params"]):
             return "it also steps parameters of another model"
         dense = any(p.grad is not None and not p.grad.is_sparse for p in group["params"])
+        if settings["momentum"] and any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+            # Sparse gradients are averaged exactly, without the engine's velocities: they keep the optimizer's.
+            return "a parameter group with sparse gradients has momentum, which error feedback cannot apply to them"
         if settings["momentum"] or dense:
             kinds.add((settings["momentum"], settings["dampening"], settings["nesterov"]))
     if len(kinds) > 1:
         return "its parameter groups have different momentum settings"
     return None
+
+
+def _only_sparse(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient `optimizer` holds now is sparse (averaged exactly, never through the codec)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return bool(grads) and all(grad.is_sparse for grad in grads)
 
 
 def _scripts_settings(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
