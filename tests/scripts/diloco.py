@@ -274,6 +274,8 @@ def main() -> None:
             optimizer.step()
         if step % H == 0:
             result[f"two_optimizers/{step}"] = any_digest(module)  # flat(), not state_dict(): no look
+    model.module.state_dict()  # a look: the replicas averaged (streaming's fragments too)
+    result["two_optimizers/look"] = any_digest(module)
 
     # 6. The end: steps since the last sync are averaged by destroy_process_group().
     model = DDP(net(6))
