@@ -2,6 +2,7 @@
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -243,6 +244,18 @@ def test_with_two_optimizers_an_inner_step_ends_after_both(how):
     assert diloco.steps == 7 and diloco.syncs == 2
     for got, want in zip(model.parameters(), _by_hand(7, 3, "nesterov")):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_zero_redundancy_optimizer_is_refused_at_its_first_step():
+    with warnings.catch_warnings():  # importing it warns of torch.jit's deprecation
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = _net()
+    DiLoCo(model, sync_every=2)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    with pytest.raises(RuntimeError, match="sync_every=2 cannot train with ZeroRedundancyOptimizer: it steps each"):
+        _step(model, optimizer, 1)
 
 
 class _Both:

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import math
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -330,7 +331,17 @@ class DiLoCo:
         return holds
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._started and self.steps >= self.warmup and self._holds(optimizer):
+        if not self._holds(optimizer):
+            return
+        if _is_zero_redundancy(optimizer):
+            # Each rank would step its shard on its own gradients alone and broadcast it: every parameter trained
+            # on one worker's data, the replicas always equal and the syncs averaging nothing.
+            raise RuntimeError(
+                f"sync_every={self.sync_every} cannot train with ZeroRedundancyOptimizer: it steps each parameter on "
+                "one rank, which would see only that rank's gradients between syncs; use its optimizer_class "
+                "directly (each replica keeps its own optimizer state under sync_every)"
+            )
+        if not self._started and self.steps >= self.warmup:
             self._start()
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -816,6 +827,12 @@ def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the an
     tensor = bucket.buffer().div_(dist.get_world_size(group))
     future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
     return future.then(track(lambda done: done.value()[0]))
+
+
+def _is_zero_redundancy(optimizer: torch.optim.Optimizer) -> bool:
+    # Looked up, not imported: importing torch.distributed.optim warns of torch.jit's deprecation.
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def _config(config: Config | None, given: dict[str, Any]) -> Config:
