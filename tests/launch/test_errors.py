@@ -72,3 +72,30 @@ def test_the_scripts_own_flags_are_never_taken_for_abbreviations_of_ours(capsys)
     # --out is a prefix of --outer-lr and --outer-momentum: with argparse's abbreviations it was refused as ambiguous.
     assert main(["--standalone", "--nproc-per-node", "2", "--dry-run", "train.py", "--out=/tmp/x", "--outer", "3"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("train.py --out=/tmp/x --outer 3")
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--nproc-per-node", "0"], "invalid --nproc-per-node '0'; accepted: an integer >= 1, or auto, cpu, gpu, xpu"),
+        (
+            ["--nproc-per-node", "two"],
+            "invalid --nproc-per-node 'two'; accepted: an integer >= 1, or auto, cpu, gpu, xpu",
+        ),
+        (["--nnodes", "0"], "invalid --nnodes '0'; accepted: an integer >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
+        (["--nnodes", "3:2"], "invalid --nnodes '3:2'; accepted: an integer >= 1, or MIN:MAX with 1 <= MIN <= MAX"),
+        (["--max-restarts", "-1"], "invalid --max-restarts -1; accepted: an integer >= 0"),
+    ],
+)
+def test_torchruns_counts_are_checked_with_one_line_where_torchrun_asserts(capsys, flags, expected):
+    from trainaccel.launch.run import main
+
+    assert main([*flags, "--dry-run", "train.py"]) == 2
+    assert capsys.readouterr().err == f"trainaccel run: error: {expected}\n"
+
+
+@pytest.mark.parametrize("flags", [["--nproc-per-node", "auto"], ["--nproc-per-node", "3", "--nnodes", "1:2"]])
+def test_torchruns_accepted_counts_pass(capsys, flags):
+    from trainaccel.launch.run import main
+
+    assert main([*flags, "--dry-run", "train.py"]) == 0

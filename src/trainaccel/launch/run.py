@@ -9,7 +9,7 @@ import shlex
 import sys
 
 from trainaccel.config import ENV_PREFIX, Config, ConfigError
-from trainaccel.launch.torchrun import TORCHRUN, LaunchError, script_argv, torchrun_flags
+from trainaccel.launch.torchrun import TORCHRUN, LaunchError, check_torchrun_flags, script_argv, torchrun_flags
 
 log = logging.getLogger("trainaccel")
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.run_path:
             raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
+        check_torchrun_flags(args)
         env = trainaccel_env(args)
         if Config.resolve(env=env).shard != "off":
             # After its first large free, glibc keeps freed blocks below 32 MiB in its heap (a dynamic mmap
