@@ -247,6 +247,17 @@ def test_with_two_optimizers_an_inner_step_ends_after_both(how):
 
 
 @pytest.mark.usefixtures("one_process_group")
+def test_an_optimizer_of_the_model_left_out_of_the_given_ones_is_warned_about(trainaccel_messages):
+    model = _net()
+    given, other = torch.optim.AdamW(model[0].parameters()), torch.optim.AdamW(model[2].parameters())
+    DiLoCo(model, [given], sync_every=2)
+    for i in range(1, 3):
+        _step(model, _Both([given, other]), i)
+    warned = [m for m in trainaccel_messages if "that was not given also steps the model's parameters" in m]
+    assert len(warned) == 1 and "DiLoCo(model, [opt1, opt2])" in warned[0]
+
+
+@pytest.mark.usefixtures("one_process_group")
 def test_zero_redundancy_optimizer_is_refused_at_its_first_step():
     with warnings.catch_warnings():  # importing it warns of torch.jit's deprecation
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -323,6 +323,10 @@ class DiLoCo:
         """Whether `optimizer`'s steps are part of this model's inner steps: a given one, or one holding a parameter."""
         if self._given:
             return optimizer in self._holders
+        return self._touches(optimizer)
+
+    def _touches(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` holds a parameter of the model."""
         groups, holds = self._holding.get(optimizer, (-1, False))
         if groups != len(optimizer.param_groups):  # new, or add_param_group() since
             ids = {id(p) for p in self._params}
@@ -346,6 +350,11 @@ class DiLoCo:
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
+            if self._given and self._touches(optimizer):
+                warn_once(
+                    f"DiLoCo: a {type(optimizer).__name__} that was not given also steps the model's parameters, "
+                    "after or between the syncs: pass every optimizer of the model, DiLoCo(model, [opt1, opt2])"
+                )
             return
         if optimizer not in self._holders:
             self._holders.add(optimizer)
