@@ -254,7 +254,7 @@ class Config:
     sync_warmup: int = _option(
         0,
         _number(int, 0, float("inf")),
-        "first optimizer steps under sync_every that still exchange gradients every step (as plain DDP); the "
+        "first inner steps under sync_every that still exchange gradients every step (as plain DDP); the "
         "local steps and syncs begin after them",
     )
     sync_fragments: int = _option(
