@@ -94,8 +94,7 @@ def _elastic_nodes(script, out, *args, env=None) -> tuple:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                # A launcher killed like a lost node cannot remove its temporary folders: keep them in `out`.
-                env={**os.environ, "TMPDIR": str(out), **(env or {})},
+                env={**os.environ, **(env or {})},
             )
         )
     try:
