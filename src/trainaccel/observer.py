@@ -4,8 +4,9 @@
 hook, and every feature's state for that model. Features subscribe to its events instead of hooking the
 model or torch themselves:
 
-- `step_begin(observer, args, kwargs)`: a training forward (training mode, gradients on); `observer.step` counts them.
-- `eval(observer, args, kwargs)`: any other forward.
+- `step_begin(observer, args, kwargs)`: a training forward (gradients on, whatever the modules' mode: DDP prepares
+  its gradient exchange at every such forward); `observer.step` counts them.
+- `eval(observer, args, kwargs)`: a forward with gradients off.
 - `after_backward(observer)`: `loss.backward()` returned in a step (seen once some feature calls `watch_backward`).
 - `before_optimizer_step(observer, optimizer)`: an optimizer holding the model's parameters is about to step.
 - `after_optimizer_step(observer, optimizer)`: an optimizer holding the model's parameters stepped.
@@ -13,7 +14,8 @@ model or torch themselves:
 
 Process-wide, one pair of torch's global optimizer step hooks and one `Tensor.backward` wrapper feed
 these events and the process-wide watchers (`watch_optimizer_steps`, `watch_backward`), all
-registered with `context` so that `trainaccel.shutdown()` removes them.
+registered with `context` so that `trainaccel.shutdown()` removes them. Hooks on a module are `OwnHook`s: they
+act on their own module only, so a copy of it (`copy.deepcopy` for an EMA, pickle) carries none that acts.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class StepObserver:
         "_subscribers": "event -> callbacks, called in subscription order",
         "_undo": "what to undo when detached: hook removals, the model's patched forward",
         "_params": "ids of the model's parameters: which optimizers step it",
+        "chain": "the wrapped module and the wrappers inside it (weakly): the last one's mode is the model's mode",
         "_backward_due": "a step began and its backward has not been seen yet",
         "__weakref__": "so that process-wide tables do not keep models alive",
     }
@@ -69,6 +72,7 @@ class StepObserver:
         self._subscribers: dict[str, list[Callable[..., Any]]] = {event: [] for event in EVENTS}
         self._params = frozenset(id(p) for p in model.parameters())
         self._backward_due = False
+        self.chain = [weakref.ref(m) for m in wrapper_chain(getattr(model, "module", model))]
         before_forward = functools.partial(_before_forward, weakref.ref(self))
         if compiled:
             # Untraced: the counters and the features' collectives change every step, and a compiled frame
@@ -76,14 +80,25 @@ class StepObserver:
             # every start, so runs that do not compile skip it.
             before_forward = torch.compiler.disable(before_forward)
         module = getattr(model, "module", model)
+        # The state-dict hook sits on the innermost wrapper: a framework may save that module alone (Lightning saves
+        # its LightningModule, inside the module DDP wraps), and the outer ones' state dicts reach it too.
+        innermost = self.chain[-1]()
         self._undo: list[Callable[[], Any]] = [
-            model.register_forward_pre_hook(before_forward, with_kwargs=True).remove,
-            module.register_state_dict_post_hook(functools.partial(_after_state_dict, weakref.ref(self))).remove,
+            model.register_forward_pre_hook(OwnHook(model, before_forward), with_kwargs=True).remove,
+            innermost.register_state_dict_post_hook(
+                OwnHook(innermost, functools.partial(_after_state_dict, weakref.ref(self)))
+            ).remove,
         ]
         if not compiled:
             # Forwards are counted on the wrapped module, which also runs in evaluations that bypass the DDP model;
             # compiled, a hook there would split the graph, so the DDP model's own forwards are counted instead.
-            self._undo.append(module.register_forward_pre_hook(_count_forward).remove)
+            self._undo.append(module.register_forward_pre_hook(OwnHook(module, _count_forward)).remove)
+
+    def training_mode(self) -> bool:
+        """The model's mode as the script last set it: the innermost wrapper's, which `train()`/`eval()` on the DDP
+        model, its module or a framework's inner module (Lightning switches only its LightningModule) all reach."""
+        innermost = self.chain[-1]()
+        return innermost.training if innermost is not None else False
 
     def holds(self, parameter: torch.Tensor) -> bool:
         """Whether `parameter` is one of the model's."""
@@ -117,6 +132,47 @@ class StepObserver:
         _observers.discard(self)
 
 
+class OwnHook:
+    """A module hook that acts on its own module only: a copy of the module (deepcopy, pickle) gets an inert one."""
+
+    __slots__ = ("owner", "hook", "_from_public_api")  # torch marks state-dict hooks it registers publicly
+
+    def __init__(self, owner: torch.nn.Module, hook: Callable[..., Any]):
+        self.owner, self.hook = weakref.ref(owner), hook
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if module is self.owner():
+            return self.hook(module, *args, **kwargs)
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _inert()
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return _nothing
+
+
+def wrapper_chain(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """`module` (the one a DDP model wraps), then each module inside that only wraps one other (no parameters or
+    buffers of its own): Lightning's wrapper around the LightningModule, for one. The last one's mode is the model's."""
+    chain = [module]
+    while True:
+        children = list(module.children())
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if len(children) != 1 or own:
+            return chain
+        module = children[0]
+        chain.append(module)
+
+
 def _discard(callbacks: list[Callable[..., Any]], callback: Callable[..., Any]) -> None:
     if callback in callbacks:
         callbacks.remove(callback)
@@ -130,7 +186,8 @@ def observe(model: torch.nn.Module, compiled: bool = False) -> StepObserver:
         observer = StepObserver(model, compiled)
         model.trainaccel = observer
         _observers.add(observer)
-        _by_module[getattr(model, "module", model)] = observer
+        for ref in observer.chain:
+            _by_module[ref()] = observer
         _watch_optimizers()
         if context.first_time("step observers"):
             context.on_undo("step observers", _detach_all)
@@ -164,7 +221,9 @@ def _before_forward(ref: weakref.ref, module: torch.nn.Module, args: tuple, kwar
     observer.entered = time.perf_counter()
     if observer.compiled:
         _count_forward(module, args)
-    if module.training and torch.is_grad_enabled():
+    if torch.is_grad_enabled():
+        # DDP prepares its gradient exchange at every forward with gradients on, whatever the mode: so is a step
+        # counted here (Lightning leaves the DDP model in eval mode; some scripts train in eval mode throughout).
         global _furthest
         observer.step += 1
         _furthest = max(_furthest, observer.step)

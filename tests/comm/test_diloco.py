@@ -1,6 +1,8 @@
 """Low-communication training (sync_every, DiLoCo): exact against DiLoCo by hand, replicas equal at every sync."""
 
 import copy
+import functools
+import io
 import re
 import warnings
 
@@ -50,14 +52,29 @@ def _assert_averaged_within_nodes_only_under_node_scope(grads: list[str], out: s
 def test_zero_code_equals_diloco_by_hand(ranks):
     exact = "outer_compression=none" in ranks[1]
     for r in ranks[0]:
-        # Inner AdamW on each replica, outer Nesterov on the mean change, a look's mean; fp4 (error feedback) close.
+        # Inner AdamW on each replica, outer Nesterov on the mean change; fp4 (error feedback) close.
         assert r["exact_err"] <= (1e-6 if exact else 0.1 * r["moved"]), r
+        assert r["synced_err"] <= (1e-6 if exact else 0.1 * r["moved"]), r  # state_dict(): the applied anchors
         assert r["exact_err"] > 0 or exact  # (fp4 does round: the check above sees something)
+        # An evaluation forward on every rank at every step changed nothing, to the bit.
+        assert r["metric_forward_err"] == r["exact_err"], r
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "what", ["hashes", "after_subset_look", "after_skip", "bn/False", "bn/True", "end", "auto", "own_hook"]
+    "what",
+    [
+        "hashes",
+        "every_rank_look",
+        "after_subset_look",
+        "after_skip",
+        "bn/False",
+        "bn/True",
+        "end_live",
+        "end",
+        "auto",
+        "own_hook",
+    ],
 )
 def test_replicas_are_bitwise_equal_at_every_sync(ranks, what):
     seen = [r[what] for r in ranks[0]]
@@ -110,13 +127,17 @@ def test_static_graph_trains_under_node_scope(ranks):
 
 
 @pytest.mark.multiprocess
-def test_a_look_on_one_rank_sees_its_replica_and_says_so_once(ranks):
+def test_a_look_on_rank_0_alone_waits_for_no_one_and_sees_the_synced_model(ranks):
     results, out = ranks
-    assert results[0]["subset_is_own_replica"] is True
-    assert out.count("state_dict() on rank(s) 0 only, ") == 1
-    # Streaming: the replicas were last equal at the start (syncs of a fragment, applied later, leave them apart).
-    after = "4 steps" if "sync_fragments=3" in out else "1 step"
-    assert f"state_dict() on rank(s) 0 only, {after} after the replicas were last equal" in out
+    assert all(r["every_rank_look"] == results[0]["subset_look"] for r in results)  # rank 0's save: the synced model
+    assert all(r["barrier_s"] < 5 for r in results), [r["barrier_s"] for r in results]  # plain DDP's: at once
+    assert " only, " not in out  # nothing to warn of
+
+
+@pytest.mark.multiprocess
+def test_an_ema_copy_is_its_own_module(ranks):
+    for r in ranks[0]:
+        assert r["ema_modes"] == [False, True, True] and r["ema_finite"]
 
 
 @pytest.mark.multiprocess
@@ -126,14 +147,10 @@ def test_batchnorm_statistics_are_averaged(ranks):
 
 @pytest.mark.multiprocess
 def test_kill_and_resume_equals_the_uninterrupted_run(ranks):
-    for r in ranks[0]:
-        assert r["resume_err"] == 0.0
-
-
-@pytest.mark.multiprocess
-def test_destroy_process_group_averages_the_last_steps(ranks):
-    for r in ranks[0]:
-        assert r["end_changed"] is True
+    results, out = ranks
+    if "sync_fragments=3" not in out:  # (streaming's replicas are never the synced model: each resumes from it)
+        for r in results:
+            assert r["resume_err"] == 0.0
 
 
 # -- one process ----------------------------------------------------------------------------------------------
@@ -297,17 +314,35 @@ def test_fragments_are_contiguous_runs_of_about_equal_size():
     assert sizes([3, 3], 2) == [[3], [3]]
 
 
+def _live(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _synced(diloco: DiLoCo) -> dict[int, torch.Tensor]:
+    return {id(tensor): value for tensor, value in diloco.synced()}
+
+
 @pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("at", [3, 4])
 @pytest.mark.parametrize("streaming", [{}, {"sync_fragments": 3, "sync_overlap": 1}])
-def test_state_dict_resumes_the_exact_trajectory(streaming):
+def test_a_checkpoint_holds_the_synced_model_and_resumes_every_replica_from_it(streaming, at):
     model = _net()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     diloco = DiLoCo(model, inner, sync_every=3, outer_optimizer="nesterov", **streaming)
-    for i in range(1, 5):
+    for i in range(1, at + 1):
         _step(model, inner, i)
+    live = _live(model)
     saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()})
-    for i in range(5, 10):
+    assert all(torch.equal(p, q) for p, q in zip(_live(model), live))  # saving changed nothing
+    synced = _synced(diloco)
+    for name, p in model.named_parameters():
+        assert torch.equal(saved["model"][name], synced[id(p)])
+    whole_sync = not streaming and at == 3  # right after a sync of the whole model, the replica is the synced model
+    assert all(torch.equal(saved["model"][n], p) for n, p in zip(saved["model"], live)) == whole_sync
+    for i in range(at + 1, 10):
         _step(model, inner, i)
+    uninterrupted = _live(model)
+
     model2 = _net()
     nn.init.zeros_(model2[0].weight)  # a different start: everything must come from the checkpoint
     inner2 = torch.optim.AdamW(model2.parameters(), lr=0.01)
@@ -315,10 +350,12 @@ def test_state_dict_resumes_the_exact_trajectory(streaming):
     model2.load_state_dict(saved["model"])
     inner2.load_state_dict(saved["inner"])
     diloco2.load_state_dict(saved["diloco"])
-    for i in range(5, 10):
+    for name, p in model2.named_parameters():  # every replica resumes from the synced model
+        assert torch.equal(p, saved["model"][name])
+    for i in range(at + 1, 10):
         _step(model2, inner2, i)
-    for a, b in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(a, b)
+    # Exact where the replica was the synced model; elsewhere the steps since the last sync were not saved.
+    assert all(torch.equal(a, b) for a, b in zip(_live(model2), uninterrupted)) == whole_sync
     with pytest.raises(ValueError, match="taken with sync_every=3, this run has sync_every=4"):
         DiLoCo(_net(), None, sync_every=4, outer_optimizer="nesterov", **streaming).load_state_dict(saved["diloco"])
     other = {"sync_fragments": 2} if streaming else {"sync_overlap": 1}
@@ -326,6 +363,95 @@ def test_state_dict_resumes_the_exact_trajectory(streaming):
         DiLoCo(_net(), None, sync_every=3, outer_optimizer="nesterov", **{**streaming, **other}).load_state_dict(
             saved["diloco"]
         )
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("streaming", [{}, {"sync_fragments": 2, "sync_overlap": 1}])
+def test_looks_see_the_synced_model_send_nothing_and_leave_the_replica_alone(streaming, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, inner, sync_every=3, **streaming)
+    for i in range(1, 5):  # a sync at 3; step 4 moves the replica away from the synced model
+        _step(model, inner, i)
+    live = _live(model)
+    sent = diloco.bytes_sent
+    reference = copy.deepcopy(model)  # the synced model by hand: a copy (no engine hook acts on it) given its values
+    synced = _synced(diloco)
+    with torch.no_grad():
+        for mine, theirs in zip(
+            [*model.parameters(), *model.buffers()], [*reference.parameters(), *reference.buffers()]
+        ):
+            if id(mine) in synced:
+                theirs.copy_(synced[id(mine)])
+    assert not all(torch.equal(p, q) for p, q in zip(live, reference.parameters()))  # there is something to see
+    x = torch.randn(6, 4)
+    looking = monkeypatch.context()
+    with looking as patch:  # a look issues no collective: any would raise
+        for name in (
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "barrier",
+        ):
+            for owner in (dist, dist.distributed_c10d):
+                patch.setattr(owner, name, functools.partial(_no_collective, name))
+        _look_at(model, reference, x, live)
+    assert diloco.bytes_sent == sent and diloco.steps == 4  # no look sent anything or counted a step
+    sync_replicas(model)  # on every rank: the live replicas averaged, now what looks see until training goes on
+    assert diloco.bytes_sent > sent
+    assert all(torch.equal(model.state_dict()[n], p) for n, p in model.named_parameters())
+
+
+def _no_collective(name: str, *args, **kwargs):
+    raise AssertionError(f"a look called torch.distributed.{name}")
+
+
+def _look_at(model: nn.Module, reference: nn.Module, x: torch.Tensor, live: list[torch.Tensor]) -> None:
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))  # an evaluation forward runs on the synced model
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+    model.train()
+    with torch.no_grad():  # gradients off in training mode (a GAN's samples): the live replica
+        own = copy.deepcopy(model)
+        torch.manual_seed(1)  # the same dropout masks
+        mine = model(x)
+        torch.manual_seed(1)
+        assert torch.equal(mine, own(x))
+    assert all(torch.equal(p, q) for p, q in zip(_live(model), live))  # the replica is as training left it
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_copy_of_the_module_carries_no_engine():
+    """An EMA as reference scripts keep it (`copy.deepcopy(model.module).eval()`), and a pickled module."""
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, inner, sync_every=3)
+    for i in range(1, 5):
+        _step(model, inner, i)
+    ema = copy.deepcopy(model)
+    ema.eval()
+    assert ema.training is False and model.training is True  # the copy's mode, not the original's
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.mul_(0.5).add_(p, alpha=0.5)
+    kept = _live(ema)
+    assert all(torch.equal(v, p) for v, p in zip(ema.state_dict().values(), kept))  # its own values, not synced ones
+    with torch.no_grad():
+        ema(torch.randn(2, 4))
+    assert all(torch.equal(p, q) for p, q in zip(_live(ema), kept))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # a whole module pickles: its hooks pickle as inert ones
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    steps = diloco.steps
+    _step(loaded, torch.optim.SGD(loaded.parameters(), lr=0.1), 5)
+    assert diloco.steps == steps  # the copy's training is not this model's
 
 
 @pytest.mark.usefixtures("one_process_group")
@@ -368,25 +494,6 @@ def test_a_skipped_gradscaler_step_counts_as_an_inner_step():
         scaler.step(inner)
         scaler.update()
     assert diloco.steps == 3 and diloco.syncs == 1
-
-
-@pytest.mark.usefixtures("one_process_group")
-def test_looks_average_only_when_there_is_something_to_average():
-    model = _net()
-    inner = torch.optim.SGD(model.parameters(), lr=0.01)
-    diloco = DiLoCo(model, inner, sync_every=10)
-    model.eval()  # before the first step: nothing to do, nothing sent
-    assert diloco.bytes_sent == 0
-    model.train()
-    _step(model, inner, 1)
-    sync_replicas(model)
-    sent = diloco.bytes_sent
-    assert sent == sum(p.numel() for p in model.parameters()) * 4
-    model.eval()
-    model.state_dict()
-    with torch.no_grad():
-        model(torch.randn(2, 4))
-    assert diloco.bytes_sent == sent  # nothing trained since: no second average
 
 
 @pytest.mark.usefixtures("one_process_group")
@@ -456,11 +563,15 @@ def test_shutdown_undoes_everything_it_changed():
     step, destroy = GradScaler.step, dist.destroy_process_group
     trainaccel.init(sync_every=2, start_process_group=False)
     model = DDP(_net())
+    hooks = {name: len(getattr(model.module, name)) for name in ("_forward_pre_hooks", "_forward_hooks")}
     assert model.require_backward_grad_sync is False and model.broadcast_buffers is False
-    assert "train" in vars(model.module) and GradScaler.step is not step and dist.destroy_process_group is not destroy
+    assert "train" not in vars(model.module)  # eval() is not intercepted: a look needs nothing of it
+    assert GradScaler.step is not step and dist.destroy_process_group is not destroy
+    assert hooks["_forward_pre_hooks"] >= 1 and hooks["_forward_hooks"] >= 1
     trainaccel.shutdown()
     assert model.require_backward_grad_sync is True and model.broadcast_buffers is True
-    assert "train" not in vars(model.module) and GradScaler.step is step and dist.destroy_process_group is destroy
+    assert GradScaler.step is step and dist.destroy_process_group is destroy
+    assert not model.module._forward_hooks and not model.module._state_dict_hooks
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,14 +38,15 @@ def net(seed: int) -> nn.Module:
 
 
 def digest(module: nn.Module) -> str:
+    """The synced model's digest (state_dict() holds it): the same on every rank, at any step."""
     h = hashlib.sha256()
     for t in module.state_dict().values():
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
 def any_digest(module: nn.Module) -> str:
-    """The parameters' digest, whatever their dtype (numpy has no bfloat16)."""
+    """The live parameters' digest (this rank's replica), whatever their dtype (numpy has no bfloat16)."""
     return hashlib.sha256(flat(module).float().numpy().tobytes()).hexdigest()
 
 
@@ -52,10 +54,10 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tensor:
+def reference(world: int, steps: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """DiLoCo by hand: `world` / PER_NODE replicas, each stepping on its workers' mean gradient (DDP's: each halved,
-    then summed); fragment f's outer Nesterov step every H steps from step (f + 1) H / F,
-    applied TAU steps later with the steps taken meanwhile kept on top; at each look, in-flight syncs, then the mean.
+    then summed); fragment f's outer Nesterov step every H steps from step (f + 1) H / F, applied TAU steps later
+    with the steps taken meanwhile kept on top. Returns each replica and the synced model (the applied anchors).
     """
     start = net(seed)
     world //= PER_NODE  # replicas
@@ -66,10 +68,13 @@ def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tens
         torch.optim.SGD([anchor[i] for i in group], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
         for group in FRAGMENTS
     ]
+    synced = [a.clone() for a in anchor]  # what looks see: the anchors of the syncs applied so far
     pending: dict = {}  # fragment -> (step it is applied at, each replica's parameters when its sync began)
 
     def apply(f: int) -> None:
         _, then = pending.pop(f)
+        for i in FRAGMENTS[f]:
+            synced[i] = anchor[i].detach().clone()
         for m, before in zip(replicas, then):
             for i in FRAGMENTS[f]:
                 p = list(m.parameters())[i]
@@ -102,14 +107,7 @@ def reference(world: int, steps: int, looks: list[int], seed: int) -> torch.Tens
                 offset = (f + 1) * H // F
                 if step >= offset and (step - offset) % H == 0:
                     begin(f, step)
-            if step in looks:
-                for f in sorted(pending, key=lambda f: (pending[f][0], f)):
-                    apply(f)
-                for ps in zip(*(m.parameters() for m in replicas)):
-                    mean = sum(p / world for p in ps)
-                    for p in ps:
-                        p.copy_(mean)
-    return flat(replicas[0])
+    return [flat(m) for m in replicas], torch.cat([s.reshape(-1) for s in synced])
 
 
 def train(model: DDP, optimizer: torch.optim.Optimizer, rank: int, first: int, last: int, look_at=(), hashes=None):
@@ -118,11 +116,18 @@ def train(model: DDP, optimizer: torch.optim.Optimizer, rank: int, first: int, l
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-        if step in look_at:
-            model.module.eval()  # every rank looks: the replicas are averaged
+        if look_at == "every step":  # a running metric: an evaluation forward on every rank at every step
+            model.eval()
+            with torch.no_grad():
+                model(x)
             model.train()
-        # (A digest is a look; with fragments or overlap the replicas are equal only at looks, so none between.)
-        if hashes is not None and ((step % H == 0 and F == 1 and TAU == 0) or step in look_at):
+        elif step in look_at:
+            model.module.eval()  # a look: changes nothing
+            model.train()
+        # Right after a sync of the whole model every replica is the synced model; at a look, the synced model.
+        if hashes is not None and step % H == 0 and F == 1 and TAU == 0:
+            hashes.append([step, any_digest(model.module)])
+        elif hashes is not None and step in look_at:
             hashes.append([step, digest(model.module)])
 
 
@@ -132,29 +137,54 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"rank": rank}
 
-    # 1. Exact: 8 steps, a look at step 5, an end that is not a sync (destroy or a look syncs it).
+    # 1. Exact: 8 steps, a look at step 5, an end that is not a sync; looks change nothing and see the synced model.
     model = DDP(net(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     hashes: list = []
-    train(model, optimizer, rank, 1, 8, look_at=(5,), hashes=hashes)
+    train(model, optimizer, rank, 1, 8, look_at=(5, 8), hashes=hashes)
     grad = model.module[0].weight.grad
-    model.module.state_dict()  # a look on every rank at step 8: averaged
-    hashes.append([8, digest(model.module)])
-    expected = reference(world, 8, [5, 8], seed=0)
-    result["exact_err"] = float((flat(model.module) - expected).abs().max())
-    result["moved"] = float((expected - flat(net(0))).abs().max())  # how far training took the parameters
+    replicas, synced = reference(world, 8, seed=0)
+    result["exact_err"] = float((flat(model.module) - replicas[rank // PER_NODE]).abs().max())
+    seen = torch.cat([t.reshape(-1) for t in model.module.state_dict().values()])
+    result["synced_err"] = float((seen - synced).abs().max())
+    result["moved"] = float((replicas[0] - flat(net(0))).abs().max())  # how far training took the parameters
     result["hashes"] = hashes
     result["grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()  # its own (node scope: its node's)
+    # The same run with an evaluation forward on every rank at every step: the same replica, nothing sent more.
+    model = DDP(net(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    train(model, optimizer, rank, 1, 8, look_at="every step")
+    result["metric_forward_err"] = float((flat(model.module) - replicas[rank // PER_NODE]).abs().max())
+    result["metric_forward_bytes"] = model.trainaccel.diloco.bytes_sent
 
-    # 2. A look on rank 0 alone (its checkpoint) neither hangs nor averages; the next syncs stay aligned.
+    # 2. Rank 0 alone saves (then every rank meets in a barrier) and evaluates: no wait, no average, the synced model.
     model = DDP(net(1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train(model, optimizer, rank, 1, 4)
     if rank == 0:
-        saved = model.state_dict()
-        result["subset_is_own_replica"] = bool(torch.equal(saved["module.0.weight"], model.module[0].weight))
+        result["subset_look"] = digest(model.module)
+        torch.save(model.state_dict(), io.BytesIO())
+        model.eval()
+        with torch.no_grad():
+            model(batch(0, 0)[0])
+        model.train()
+    started = time.perf_counter()
+    dist.barrier()
+    result["barrier_s"] = time.perf_counter() - started
+    result["every_rank_look"] = digest(model.module)
     train(model, optimizer, rank, 5, 6)  # step 6 syncs
     result["after_subset_look"] = digest(model.module)
+
+    # 2b. An EMA as torchvision's reference scripts keep one: a copy in eval mode, the model still training.
+    ema = copy.deepcopy(model.module)
+    ema.eval()
+    result["ema_modes"] = [ema.training, model.module.training, model.training]
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.module.parameters()):
+            e.mul_(0.9).add_(p, alpha=0.1)
+        ema(batch(rank, 7)[0])
+    train(model, optimizer, rank, 7, 7)
+    result["ema_finite"] = all(bool(p.isfinite().all()) for p in ema.parameters())
 
     # 3. GradScaler skipping a step on rank 1 only still counts it: syncs stay aligned, nothing hangs.
     model = DDP(net(2))
@@ -179,13 +209,14 @@ def main() -> None:
         result[f"bn/{options['find_unused_parameters']}"] = digest(model.module)
         result[f"bn_mean/{options['find_unused_parameters']}"] = model.module[1].running_mean.tolist()
 
-    # 5. Kill and resume: a checkpoint at step 4 (every rank saves: a look) resumed to step 9 equals the run itself.
+    # 5. Kill and resume: a checkpoint at step 3 (a sync) resumed to step 9 equals the run itself (all but streaming,
+    # whose replicas are never the synced model: each resumes from it).
     model = DDP(net(4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    train(model, optimizer, rank, 1, 4)
+    train(model, optimizer, rank, 1, 3)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    train(model, optimizer, rank, 5, 9)
+    train(model, optimizer, rank, 4, 9)
     uninterrupted = flat(model.module)
     resumed = DDP(net(5))  # another start: everything comes from the checkpoint
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=LR)
@@ -193,7 +224,7 @@ def main() -> None:
     checkpoint = torch.load(buffer, weights_only=True)
     resumed.load_state_dict(checkpoint["model"])
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
-    train(resumed, resumed_optimizer, rank, 5, 9)
+    train(resumed, resumed_optimizer, rank, 4, 9)
     result["resume_err"] = float((flat(resumed.module) - uninterrupted).abs().max())
 
     # 7. sync_every=auto (explicit, on a plain module): every rank picks the same interval from the slowest figures.
@@ -250,8 +281,7 @@ def main() -> None:
                 grad = module[-1].weight.grad.float()
                 result[f"kind/{kind}/grad"] = hashlib.sha256(grad.numpy().tobytes()).hexdigest()
             optimizer.step()
-        model.module.state_dict()  # a look: the replicas averaged
-        result[f"kind/{kind}"] = any_digest(module)
+        result[f"kind/{kind}"] = digest(module)  # the synced model
         result[f"kind/{kind}/moved"] = result[f"kind/{kind}"] != start
         result[f"kind/{kind}/finite"] = all(bool(p.isfinite().all()) for p in module.parameters())
 
@@ -274,16 +304,17 @@ def main() -> None:
             optimizer.step()
         if step % H == 0:
             result[f"two_optimizers/{step}"] = any_digest(module)  # flat(), not state_dict(): no look
-    model.module.state_dict()  # a look: the replicas averaged (streaming's fragments too)
-    result["two_optimizers/look"] = any_digest(module)
+    result["two_optimizers/look"] = digest(module)  # the synced model (streaming's fragments too)
 
-    # 6. The end: steps since the last sync are averaged by destroy_process_group().
+    # 6. The end: destroy_process_group() applies the syncs in flight; sync_replicas() averages the last steps.
+    from trainaccel.comm import sync_replicas
+
     model = DDP(net(6))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train(model, optimizer, rank, 1, 4)
-    before = flat(model.module)  # (not state_dict(): that is a look, and would average now)
+    sync_replicas(model)
+    result["end_live"] = any_digest(model.module)
     dist.destroy_process_group()
-    result["end_changed"] = not torch.equal(flat(model.module), before)
     result["end"] = digest(model.module)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)

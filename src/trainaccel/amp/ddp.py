@@ -139,8 +139,8 @@ def enable_amp(observer: StepObserver, config: Config) -> AmpState | None:
 
 def _before_forward(state: AmpState, training: bool | None, observer: StepObserver, args: tuple, kwargs: dict) -> None:
     """Bookkeeping before a forward: the deferred scaler update, the decision, the fp16 check."""
-    if training is None:  # an eval event: in eval mode, or in training mode with gradients off
-        training = observer.model().training
+    if training is None:  # an eval event (gradients off): in the mode the script set
+        training = observer.training_mode()
     _observed.update_scaler()
     enabled = state.decide(training)
     if enabled and state.dtype == torch.float16 and _observed.scaler is None and training and torch.is_grad_enabled():

@@ -25,7 +25,7 @@ from trainaccel.comm.autotune import Autotuner
 from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split_key
 from trainaccel.comm.hooks import CommState
 from trainaccel.comm.momentum import restore_moved
-from trainaccel.context import warn_once
+from trainaccel.context import current_config, warn_once
 from trainaccel.environment import env_rank, env_world_size
 from trainaccel.observer import StepObserver, observer_of
 
@@ -78,7 +78,9 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
                 now, then = then, now
             warn_once(f"the checkpoint's communication state is for {then}, this run uses {now}: not restored")
             return
-        diloco.load_state_dict(saved["diloco"])  # the same on every rank: no rank check
+        # The same on every rank but the residuals, which are the saving rank's own.
+        own = not saved["diloco"].get("residuals") or _local_part_applies(saved)
+        diloco.load_state_dict(saved["diloco"], local=own)
         return
     local = _local_part_applies(saved)
     if isinstance(state, Autotuner):
@@ -107,7 +109,9 @@ def attach(observer: StepObserver) -> None:
     if _save not in observer.subscribers("state_dict"):
         observer.subscribe("state_dict", _save)
     if observer.comm is not None or observer.diloco is not None:
-        saved = _pending.pop(_module(model), None)
+        # Loaded into the module before DDP wrapped it: into it, or into a module it wraps (a LightningModule).
+        found = [_pending.pop(ref(), None) for ref in observer.chain if ref() is not None]
+        saved = next((s for s in found if s), None)
         if saved:
             load_state_dict(model, saved)
 
@@ -130,17 +134,47 @@ def restoring_load_state_dict(original: Any) -> Any:
     @functools.wraps(original)
     def load(self: torch.nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, state_dict, *args, **kwargs)
+        found = False
         for path, metadata in (getattr(state_dict, "_metadata", None) or {}).items():
             saved = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
             if saved:
+                found = True
                 try:
                     target = self.get_submodule(path)
                 except AttributeError:
                     continue
                 load_state_dict(_ddp_of(target), saved)
+        if not found:
+            _say_what_starts_anew(self)
         return result
 
     return load
+
+
+def _say_what_starts_anew(module: torch.nn.Module) -> None:
+    """A state dict without the engine's state (safetensors, torch.distributed.checkpoint, save_pretrained keep
+    tensors only) loaded into a model trained under `init()` with engine state: say once what a resume loses."""
+    config = current_config()
+    observer = observer_of(module)
+    if config is None:
+        return  # the explicit APIs' users hold their engine state themselves
+    if observer is not None and module not in [observer.model(), *(ref() for ref in observer.chain)]:
+        return  # a submodule's own load (pretrained weights for one layer): not a resume
+    lost = []
+    if config.sync_every:
+        if config.outer_optimizer != "average":
+            lost.append("sync_every's outer momentum")
+        if config.outer_compression != "none":
+            lost.append(f"{config.outer_compression}'s residuals (what it has not sent yet)")
+        lost.append("the sync schedule (the next sync comes sync_every steps after the load)")
+    elif config.compression != "none":
+        lost.append(f"{config.compression}'s residuals (what it has not sent yet)")
+    if lost:
+        warn_once(
+            "load_state_dict: this state dict carries no trainaccel engine state (a writer that keeps tensors only, "
+            f"such as safetensors, torch.distributed.checkpoint or save_pretrained): if it resumes a run, "
+            f"{', '.join(lost)} start anew; save `trainaccel.comm.state_dict(model)` beside it to keep them"
+        )
 
 
 def _diloco(model: torch.nn.Module) -> Any:

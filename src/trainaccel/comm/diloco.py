@@ -9,10 +9,13 @@ training forward. Explicitly:
     diloco = trainaccel.comm.DiLoCo(model, optimizer, sync_every=50)   # a DDP model, a module or parameters;
                                                                         # one optimizer or a list of them
 
-Replicas differ between syncs. They are made equal (averaged, on every rank at once) whenever the script looks at
-the model on every rank: `.eval()` or an evaluation forward of the model or its module, `state_dict()` of either,
-`torch.distributed.destroy_process_group()`, or `sync_replicas(model)`. A look on some ranks only cannot average
-(the others have trained on): it sees that rank's own replica, and says so once.
+Replicas differ between syncs; the synced model is the same on every rank: each fragment's anchors (its last regular
+sync, or the start) and the buffers averaged with the last of them. A look sees the synced model and needs no other
+rank, so looks may come on some ranks only (rank 0 saving, evaluating alone), in any number, at any step:
+`state_dict()` of the model or of any module wrapping it holds the synced model; a forward with gradients off in eval
+mode runs on it (the live replica is put back after); `.eval()` itself changes nothing. A forward with gradients off
+in training mode (a GAN's samples, a rollout) runs on the live replica. A copy of the module (an EMA's deepcopy,
+pickle) carries no hook that acts. `sync_replicas(model)`, on every rank, averages the live replicas now.
 
 Streaming (`sync_fragments`, `sync_overlap`): the parameters in fragments synced at staggered steps, each exchange
 running on the communication thread behind the next steps of training; its result is applied `sync_overlap` steps
@@ -46,12 +49,11 @@ from trainaccel.comm.scheduler import comm_thread, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for, node_group
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, warn_once
-from trainaccel.observer import observer_of, watch_optimizer_steps
+from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
 
 log = logging.getLogger("trainaccel")
 
 FORMAT = 2  # 1: before fragments (one of everything); still read
-_KEY = "trainaccel/diloco"
 # sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
 # (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
 AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
@@ -133,7 +135,9 @@ class DiLoCo:
         "_holding": "optimizer -> (parameter groups seen, whether it holds a parameter of the model), a cache",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
         "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
-        "_forward_at": "`steps` when a training forward last began: past a look at that step, though not done",
+        "_live_is_synced": "the live replica is the synced model (right after a whole-model sync): looks need no swap",
+        "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): what looks see",
+        "_innermost": "the module whose mode is the model's (Lightning switches its LightningModule, inside DDP's)",
         "_in_node": "under node scope, the state of the DDP hook that averages gradients (None under rank scope)",
         "__weakref__": "held weakly by process-wide tables",
     }
@@ -193,8 +197,9 @@ class DiLoCo:
             self._names = {id(p): name for name, p in self._module.named_parameters()}
             self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
             buffers = [b for b in self._module.buffers() if b.is_floating_point()]
+            self._innermost = wrapper_chain(self._module)[-1]
         else:  # parameters (the Horovod API's optimizer): no module to watch for looks, no buffers
-            self._module, buffers = None, []
+            self._module, self._innermost, buffers = None, None, []
             self._params = [p for p in dict.fromkeys(model) if p.requires_grad]
         if not self._params:
             raise ValueError("DiLoCo: the model has no trainable parameters")
@@ -220,7 +225,7 @@ class DiLoCo:
         self._engine_group = engine_group(self.group)
         self._undo: list[Any] = []
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        self._in_node, self._forward_at = None, -1
+        self._in_node, self._live_is_synced, self._synced_buffers = None, False, []
         if self.scope == "node":
             # Each node's workers hold one replica: its change crosses nodes once, a shard from each worker.
             self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback)
@@ -293,7 +298,7 @@ class DiLoCo:
             self.scope, self._in_node = "rank", None
             self._hierarchy = self._build_hierarchy(hierarchical)
             if self._ddp is None:  # past the warm-up: what rank scope switches off
-                model.require_backward_grad_sync = False
+                _keep_exchange_off(model, self._undo)
 
         handle = model.register_forward_pre_hook(first_forward)
         self._undo.append(handle.remove)
@@ -367,6 +372,7 @@ class DiLoCo:
                 )
                 return
         self._stepped.add(id(optimizer))
+        self._live_is_synced = False
         if self._known or self._module is None:
             expected = list(self._holders)
         else:  # the first inner step: every optimizer built holding the model, and any seen stepping it
@@ -455,6 +461,8 @@ class DiLoCo:
             for tensor, value in zip(tensors, flat.split(_sizes(tensors))):
                 tensor.copy_(value.view_as(tensor))
         self._make_anchors()
+        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
+        self._live_is_synced = True
 
     def _make_anchors(self) -> None:
         lr, momentum = self._outer_settings
@@ -541,10 +549,13 @@ class DiLoCo:
                     tensor.copy_(value.view_as(tensor))
                 else:
                     tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value.view_as(tensor)))
+        if outer and buffers is not None:
+            self._synced_buffers = [b.clone() for b in buffers.split(_sizes(fragment.buffers))]
         if outer:
             self.syncs += 1
             if len(self._fragments) == 1 and snapshot is None:
                 self.synced_at = self.steps
+                self._live_is_synced = True
 
     def _check_finite(self, fragment: _Fragment, mean: torch.Tensor, buffers: torch.Tensor | None) -> None:
         """nan_check: a non-finite averaged change (the same bits on every rank, so every rank decides alike)."""
@@ -576,91 +587,100 @@ class DiLoCo:
     # -- looks -------------------------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Average the replicas now (call on every rank); nothing to do right after a sync."""
-        self._look("sync()")
-
-    def _look(self, what: str) -> None:
+        """Average the replicas now, into every rank's live parameters (a collective: call it on every rank)."""
         if not self._started or not dist.is_initialized():
             return  # nothing to average, or no group left to average over (after destroy_process_group())
         self._drain()
         if self.steps == self.synced_at and not self._stepped:
             return
-        lookers = self._lookers()
-        if lookers is None:
-            for fragment in self._fragments:  # each fragment's replicas averaged in turn
-                self._begin(fragment, outer=False)
-            self.synced_at = self.steps
-            return
-        behind = self.steps - self.synced_at
-        warn_once(
-            f"{what} on rank(s) {', '.join(map(str, lookers))} only, {behind} step{'s' if behind > 1 else ''} after "
-            f"the replicas were last equal (sync_every={self.sync_every}): the replicas differ and cannot be "
-            "averaged without every rank, so this rank's own replica is what it sees; look on every rank "
-            "(evaluate, save) to see the averaged model",
-            every_rank=True,
-        )
+        for fragment in self._fragments:  # each fragment's replicas averaged in turn
+            self._begin(fragment, outer=False)
+        self.synced_at = self.steps
+        self._live_is_synced = True  # until the next training forward, looks see this average
 
-    def _lookers(self) -> list[int] | None:
-        """None when every rank looks at this step; else the ranks seen looking (read from the store and heartbeats).
+    def synced(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(live tensor, its value in the synced model) for each parameter and floating-point buffer: what a look
+        sees. The synced model is each fragment's anchors (its last regular sync, or the start) and the buffers
+        averaged with the last of them: the same bits on every rank, known without communication."""
+        if not self._started:
+            return []  # the warm-up, or no step yet: the replicas are DDP's, equal, and the live model is it
+        pairs = [(p, a) for f in self._fragments for p, a in zip(f.params, f.anchors)]
+        return pairs + list(zip(self._fragments[-1].buffers, self._synced_buffers))
 
-        A rank is past the look once its next training forward began (under node scope its node's workers wait for it
-        in that step's exchange, so a finished step would never show)."""
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if world == 1 or failfast.heartbeats() is None:
-            return None  # no heartbeats to tell a rank that trained on: every rank must look
-        peers = {other: dist.get_global_rank(self.group, other) for other in range(world) if other != rank}
-        index, steps = str(self.index), self.steps
+    def _shows_live(self) -> bool:
+        """Whether the live replica is the synced model now (right after a sync of the whole model)."""
+        return not self._started or self._live_is_synced
 
-        def moved_on(beat: dict) -> bool:
-            return beat.get("diloco", {}).get(index, -1) > steps
-
-        key = f"{_KEY}/{self.index}/look/{self.steps}/"
-        passed, pending = failfast.await_peers(key, rank, peers, moved_on, failfast.collective_timeout_s())
-        if pending and not passed:
-            raise RuntimeError(
-                f"trainaccel: rank {rank} waited {failfast.collective_timeout_s():.0f} s for rank(s) {pending} to "
-                f"reach inner step {self.steps} (to average the replicas for a look at the model); they did not"
-            )
-        if not passed:
+    def _show_synced(self) -> list[torch.Tensor] | None:
+        """Before an evaluation forward: the synced model into the live tensors; returns what to put back."""
+        if self._shows_live():
             return None
-        return sorted(set(range(world)) - set(passed) - set(pending))  # those seen looking
+        pairs = self.synced()
+        with torch.no_grad():
+            kept = [tensor.detach().clone() for tensor, _ in pairs]
+            for tensor, value in pairs:
+                tensor.copy_(value.view_as(tensor))
+        return kept
 
-    def _trained(self) -> None:
-        self._forward_at = self.steps
+    def _put_back(self, kept: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for (tensor, _), value in zip(self.synced(), kept):
+                tensor.copy_(value)
 
-    @property
-    def progress(self) -> float:
-        """Inner steps done, + 0.5 once the next one's training forward has begun (what heartbeats report)."""
-        return self.steps + 0.5 if self._forward_at == self.steps else float(self.steps)
+    def _in_eval_mode(self) -> bool:
+        return not self._innermost.training
 
     def _watch_looks(self) -> None:
-        module = self._module
-        look, trained, end = self._look, self._trained, self._end_pending  # held by the module's hooks
+        """Hooks on the module (inert on copies of it; they keep this object alive as long as the module): a training
+        forward ends the inner step in progress; an evaluation forward (gradients off, eval mode) runs on the synced
+        model; state_dict() holds the synced model."""
+        module, diloco = self._module, self
+        shown: list[list[torch.Tensor] | None] = []  # what each evaluation forward in progress put aside (nested)
 
         def before_forward(module: torch.nn.Module, args: tuple) -> None:
-            if not (module.training and torch.is_grad_enabled()):
-                look("an evaluation forward")
+            if torch.is_grad_enabled():
+                diloco._end_pending()  # an optimizer that stepped since the last inner step did so in the one now over
+                diloco._live_is_synced = False  # this forward may change buffers (BatchNorm's statistics)
+            elif diloco._in_eval_mode():
+                shown.append(diloco._show_synced())
             else:
-                end()  # an optimizer that stepped since the last inner step ended did so in the one now over
-                trained()
+                shown.append(None)  # gradients off in training mode (a GAN's samples, a rollout): the live replica
 
-        def before_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-            look("state_dict()")
+        def after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if not torch.is_grad_enabled() and shown:
+                kept = shown.pop()
+                if kept is not None:
+                    diloco._put_back(kept)
 
-        original_train = module.train  # bound: the class's, or an override already there
+        def after_state_dict(module: torch.nn.Module, destination: dict, prefix: str, metadata: dict) -> None:
+            diloco._synced_state_dict(module, destination, prefix)
 
-        @functools.wraps(original_train)
-        def train(mode: bool = True) -> torch.nn.Module:
-            if not mode:
-                look(".eval()")
-            return original_train(mode)
-
+        innermost = self._innermost
         self._undo += [
-            module.register_forward_pre_hook(before_forward).remove,
-            module.register_state_dict_pre_hook(before_state_dict).remove,
-            functools.partial(_restore_attribute, module, "train", module.__dict__.get("train")),
+            module.register_forward_pre_hook(OwnHook(module, before_forward)).remove,
+            module.register_forward_hook(OwnHook(module, after_forward), always_call=True).remove,
+            innermost.register_state_dict_post_hook(OwnHook(innermost, after_state_dict)).remove,
         ]
-        module.train = train  # an instance attribute: DDP's train() reaches it through its children too
+
+    def _synced_state_dict(self, module: torch.nn.Module, destination: dict, prefix: str) -> None:
+        """state_dict() holds the synced model, on any rank and at any step (no rank waits for another)."""
+        if self._shows_live():
+            return
+        anchors = [a for fragment in self._fragments for a in fragment.anchors]  # in the order of self._params
+        values = dict(zip(map(id, self._params), anchors))
+        values.update(zip(map(id, self._fragments[-1].buffers), self._synced_buffers))
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        for name, tensor in named:
+            key, value = prefix + name, values.get(id(tensor))
+            if value is None or key not in destination:
+                continue
+            if isinstance(destination[key], torch.nn.Parameter):
+                warn_once(
+                    "state_dict(keep_vars=True) under sync_every returns the live parameters, each rank's own replica; "
+                    "state_dict() returns the synced model, the same on every rank"
+                )
+                return
+            destination[key] = _as_saved(tensor, value)
 
     def _switch_off_exchange(self) -> None:
         """No gradient allreduce in backward (node scope: within the node only) and no buffer broadcast in forward:
@@ -677,7 +697,7 @@ class DiLoCo:
         if in_node is not None:
             in_node.group = node_group()
         else:
-            model.require_backward_grad_sync = False  # what no_sync() sets, for good (no_sync() restores it)
+            _keep_exchange_off(model, self._undo)
         model.broadcast_buffers = False
         self._undo.append(restore)
 
@@ -692,11 +712,8 @@ class DiLoCo:
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The anchors, the outer optimizers and the schedule: with the model and inner optimizer, an exact resume.
-
-        Exchanges in flight are applied first (every rank started them, so this waits on no one).
-        """
-        self._drain()
+        """The anchors, the outer optimizers and the schedule, as of the last applied syncs: with the model's synced
+        state (what its state_dict() holds), where every replica resumes. A sync still in flight is left to run."""
         measured = self._measured.wait().tolist() if self._measured is not None else None
         fragments = self._fragments
         return {
@@ -721,8 +738,9 @@ class DiLoCo:
             "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()` (before the next inner step)."""
+    def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
+        """Resume from `state_dict()` (before the next inner step); `local`: the state was saved by this rank, so its
+        residuals (what a lossy outer codec has not sent yet, this rank's own) apply here."""
         state = _upgrade(state)
         mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer, "warmup": self.warmup}
         mine["sync_scope"] = self.scope
@@ -736,7 +754,10 @@ class DiLoCo:
             raise ValueError(
                 f"the checkpoint holds {len(state['anchors'])} anchors, this model has {len(self._params)} parameters"
             )
-        self._drain()
+        for fragment in self._fragments:  # every rank started these exchanges: waited for, their results dropped
+            if fragment.pending is not None:
+                fragment.pending[1].wait()
+                fragment.pending = None
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
         self.interval = state["interval"]
         for fragment, next_sync in zip(self._fragments, state["next_sync"]):
@@ -761,8 +782,11 @@ class DiLoCo:
                     anchor.copy_(next(saved))
                 if fragment.outer is not None and outer is not None:
                     fragment.outer.load_state_dict(outer)
-        if self._feedback is not None:
-            self._feedback.residuals = {key: value.clone() for key, value in state["residuals"].items()}
+        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]  # loaded with them
+        self._live_is_synced = False
+        if self._feedback is not None and local:
+            device = self._params[0].device  # loaded with map_location="cpu", say: they join this rank's tensors
+            self._feedback.residuals = {key: value.to(device, copy=True) for key, value in state["residuals"].items()}
         if getattr(self._codec, "scales", None) is not None:
             self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
 
@@ -821,6 +845,22 @@ def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
     return diloco
 
 
+def _keep_exchange_off(model: DistributedDataParallel, undo: list[Any]) -> None:
+    """No gradient allreduce in DDP's backward, for good: what no_sync() sets, kept off at every forward, where a
+    script may set it back (nanoGPT's `require_backward_grad_sync = last_micro_step`) and run plain DDP unseen."""
+
+    def keep_off(model: DistributedDataParallel, args: tuple) -> None:
+        if model.require_backward_grad_sync:
+            model.require_backward_grad_sync = False
+            info_once(
+                "sync_every: the script turned DDP's gradient exchange on (require_backward_grad_sync=True); it stays "
+                "off, since the replicas are averaged at syncs (gradient accumulation works as before)"
+            )
+
+    model.require_backward_grad_sync = False
+    undo.append(model.register_forward_pre_hook(OwnHook(model, keep_off)).remove)
+
+
 class _InNode:
     """State of the DDP hook that averages gradients under node scope."""
 
@@ -855,6 +895,18 @@ def _local(parameter: torch.Tensor) -> torch.Tensor:
     """What a sync averages of a parameter: itself, or a sharded one's own shard (a view of it; the replicas in
     the group hold the same shard of the same parameter)."""
     return parameter.detach().to_local() if hasattr(parameter, "to_local") else parameter
+
+
+def _as_saved(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (a float32 copy of `tensor`, or of a sharded one's own shard) as `tensor`'s state-dict entry."""
+    if hasattr(tensor, "to_local"):  # a DTensor (shard=...): the same placement, this shard's synced values
+        from torch.distributed.tensor import DTensor
+
+        local = value.to(tensor.dtype).view_as(tensor.to_local())
+        return DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride(), run_check=False
+        )
+    return value.to(tensor.dtype, copy=True).view_as(tensor)
 
 
 def _sizes(tensors: list[torch.Tensor]) -> list[int]:
@@ -896,17 +948,15 @@ def _install() -> None:
 
     context.patch(GradScaler, "step", _counting_skips(GradScaler.step))
     destroy = distributed_c10d.destroy_process_group
-    looking_destroy = _looking_first(destroy)
-    context.patch(distributed_c10d, "destroy_process_group", looking_destroy)
-    context.patch(dist, "destroy_process_group", looking_destroy)
+    draining_destroy = _draining_first(destroy)
+    context.patch(distributed_c10d, "destroy_process_group", draining_destroy)
+    context.patch(dist, "destroy_process_group", draining_destroy)
     failfast.start_heartbeat()
-    stop_reporting = failfast.report("diloco", lambda: {str(i): d.progress for i, d in list(_live.items())})
-    context.on_undo("diloco", functools.partial(_detach_all, stop_reporting))
+    context.on_undo("diloco", _detach_all)
 
 
-def _detach_all(stop_reporting: Any) -> None:
+def _detach_all() -> None:
     global _made
-    stop_reporting()
     for diloco in list(_live.values()):
         diloco.detach()
     _real_steps.clear()
@@ -941,12 +991,12 @@ def _counting_skips(original: Any) -> Any:
     return step
 
 
-def _looking_first(destroy: Any) -> Any:
+def _draining_first(destroy: Any) -> Any:
     @functools.wraps(destroy)
     def destroy_process_group(group: Any = None) -> None:
         if group is None or group is dist.group.WORLD:
             for _, diloco in sorted(_live.items()):
-                diloco._look("destroy_process_group()")
+                diloco._drain()  # syncs in flight, which every rank started: applied before their group goes
         return destroy(group)
 
     return destroy_process_group
