@@ -137,3 +137,17 @@ def test_a_state_dict_without_the_engine_state_says_what_a_resume_loses(options,
     layer = {k.removeprefix("module.0."): v for k, v in tensors_only.items() if k.startswith("module.0.")}
     model.module[0].load_state_dict(layer)  # one layer's own weights: not a resume
     assert len([m for m in trainaccel_messages if "carries no trainaccel engine state" in m]) == len(said)
+
+
+@pytest.mark.usefixtures("group")
+def test_a_module_wrapped_in_ddp_again_keeps_one_diloco():
+    """Unfreezing layers usually means a new DDP model around the same module: one replica, one schedule."""
+    trainaccel.init(sync_every=3, sync_scope="rank", start_process_group=False)
+    module = _net()
+    first = DDP(module)
+    _train(first, torch.optim.SGD(first.parameters(), lr=0.1), 2)
+    second = DDP(module)
+    assert second.trainaccel.diloco is first.trainaccel.diloco
+    assert second.require_backward_grad_sync is False and second.broadcast_buffers is False
+    _train(second, torch.optim.SGD(second.parameters(), lr=0.1), 2)
+    assert second.trainaccel.diloco.steps == 4 and second.trainaccel.diloco.syncs == 1

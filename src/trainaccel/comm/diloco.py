@@ -701,6 +701,20 @@ class DiLoCo:
         model.broadcast_buffers = False
         self._undo.append(restore)
 
+    def _rewrap(self, model: DistributedDataParallel, hierarchical: str) -> None:
+        """A new DDP model around this module: its exchange is switched off as the old one's was."""
+        if self.scope == "rank" and model.static_graph:
+            raise ValueError("DDP's static_graph=True cannot train under sync_every with sync_scope=rank")
+        in_warmup = self._ddp is not None
+        self._ddp = model
+        if not self._given:  # a new optimizer usually comes with the new wrapper: the holders are learned again
+            self._holders, self._known = weakref.WeakSet(), False
+        if self._in_node is not None:
+            self._average_in_node(model, hierarchical)
+        if not in_warmup:
+            self._switch_off_exchange()
+        info_once("sync_every: a module wrapped in DDP again keeps its replica, anchors and schedule")
+
     def detach(self) -> None:
         """Stop: hooks removed, DDP's exchange back as it was (`shutdown()`); the state stays readable."""
         if dist.is_initialized():
@@ -837,8 +851,13 @@ def sync_replicas(model: torch.nn.Module) -> None:
 
 
 def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
-    """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo."""
-    diloco = DiLoCo(model, config=config)
+    """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo; a module wrapped
+    again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper."""
+    diloco = next((d for d in _live.values() if d._module is model.module), None)
+    if diloco is not None:
+        diloco._rewrap(model, config.hierarchical)
+    else:
+        diloco = DiLoCo(model, config=config)
     observer = observer_of(model)
     if observer is not None:
         observer.diloco = diloco
