@@ -1,6 +1,6 @@
 """Run Horovod's own PyTorch test suite against `trainaccel.horovod` and summarise the outcome.
 
-    python tools/horovod_reference.py HOROVOD_SRC [--nproc 2] [-k EXPR] [--out DIR]
+    python tools/horovod_reference.py HOROVOD_SRC [--nproc 2] [--launcher horovodrun|mpirun] [-k EXPR] [--out DIR]
 
 HOROVOD_SRC is a Horovod source tree holding `test/parallel/test_torch.py` and
 `test/utils/common.py`: a git checkout (the source archive on PyPI leaves `test/` out).
@@ -12,6 +12,11 @@ tearDown failed (a test that failed on some ranks only leaves the others in a co
 meets the others' tearDown barrier and shuts Horovod down, then the workers wait for one
 another, so the next test starts on every rank alike. If a test kills the workers, it is
 reported as failed and the run goes on after it.
+
+With `--launcher mpirun` the workers get Open MPI's variables instead (OMPI_COMM_WORLD_RANK,
+...). The suite's tearDown then never shuts Horovod down, as under mpirun: every test runs in
+one process group, with whatever the tests before it left in flight, and the tool only waits
+for every rank between tests.
 """
 
 from __future__ import annotations
@@ -61,9 +66,10 @@ def write_shims(root: Path) -> None:
 class _Recorder:
     """A pytest plugin: one JSON line per test phase as it happens, so a crash loses nothing before it."""
 
-    def __init__(self, path: Path, sync_dir: Path, rank: int, world: int):
+    def __init__(self, path: Path, sync_dir: Path, rank: int, world: int, shut_down: bool):
         self.file = path.open("a")
         self.sync_dir, self.rank, self.world, self.tests_done = sync_dir, rank, world, 0
+        self.shut_down = shut_down  # as the suite's tearDown does under horovodrun
 
     def _write(self, **record: str) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -84,7 +90,7 @@ class _Recorder:
     def _align(self) -> None:
         """Leave the test with Horovod shut down on this rank, then wait until every rank has left it."""
         hvd = sys.modules.get("trainaccel.horovod")
-        if hvd is not None and hvd.is_initialized():
+        if self.shut_down and hvd is not None and hvd.is_initialized():
             # The test's tearDown failed here (its barrier met a rank still in the test). That
             # rank raised too and is now in its own tearDown's barrier: meet it there, so that
             # it can shut down as well instead of waiting for this rank forever.
@@ -112,19 +118,27 @@ class _Recorder:
         self._write(test=report.nodeid, outcome=outcome, message=message)  # type: ignore[attr-defined]
 
 
-def worker(suite: Path, out: Path, expr: str | None, skip: list[str], sync_dir: Path) -> int:
-    """One rank: horovodrun's Gloo environment, then pytest on the suite."""
+def worker(suite: Path, out: Path, expr: str | None, skip: list[str], sync_dir: Path, launcher: str) -> int:
+    """One rank: horovodrun's Gloo environment (or mpirun's), then pytest on the suite."""
     import pytest
 
     rank = os.environ["RANK"]
-    os.environ.update(
-        HOROVOD_RANK=rank,
-        HOROVOD_SIZE=os.environ["WORLD_SIZE"],
-        HOROVOD_LOCAL_RANK=os.environ["LOCAL_RANK"],
-        HOROVOD_LOCAL_SIZE=os.environ["LOCAL_WORLD_SIZE"],
-        HOROVOD_CROSS_RANK=os.environ.get("GROUP_RANK", "0"),
-        HOROVOD_CROSS_SIZE="1",
-    )
+    if launcher == "mpirun":
+        os.environ.update(
+            OMPI_COMM_WORLD_RANK=rank,
+            OMPI_COMM_WORLD_SIZE=os.environ["WORLD_SIZE"],
+            OMPI_COMM_WORLD_LOCAL_RANK=os.environ["LOCAL_RANK"],
+            OMPI_COMM_WORLD_LOCAL_SIZE=os.environ["LOCAL_WORLD_SIZE"],
+        )
+    else:
+        os.environ.update(
+            HOROVOD_RANK=rank,
+            HOROVOD_SIZE=os.environ["WORLD_SIZE"],
+            HOROVOD_LOCAL_RANK=os.environ["LOCAL_RANK"],
+            HOROVOD_LOCAL_SIZE=os.environ["LOCAL_WORLD_SIZE"],
+            HOROVOD_CROSS_RANK=os.environ.get("GROUP_RANK", "0"),
+            HOROVOD_CROSS_SIZE="1",
+        )
     import torch
 
     # Some tests loop over every torch.optim optimizer whose module starts with "torch.optim".
@@ -138,7 +152,8 @@ def worker(suite: Path, out: Path, expr: str | None, skip: list[str], sync_dir: 
         args += ["-k", expr]
     for nodeid in skip:
         args += ["--deselect", nodeid]
-    recorder = _Recorder(out / f"rank{rank}.jsonl", sync_dir, int(rank), int(os.environ["WORLD_SIZE"]))
+    world = int(os.environ["WORLD_SIZE"])
+    recorder = _Recorder(out / f"rank{rank}.jsonl", sync_dir, int(rank), world, shut_down=launcher != "mpirun")
     return int(pytest.main(args, plugins=[recorder]))
 
 
@@ -183,6 +198,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("horovod_src", type=Path, help="Horovod source tree with test/parallel/test_torch.py")
     parser.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    parser.add_argument(
+        "--launcher",
+        choices=["horovodrun", "mpirun"],
+        default="horovodrun",
+        help="whose environment the workers get; under mpirun the suite never shuts Horovod down (default horovodrun)",
+    )
     parser.add_argument("-k", dest="expr", help="pytest -k expression to select tests")
     parser.add_argument("--out", type=Path, help="where the per-rank reports go (default: a temp dir)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -194,7 +215,7 @@ def main() -> int:
         parser.error(f"{suite} not found; HOROVOD_SRC must be a Horovod source tree")
     out = args.out or Path(tempfile.mkdtemp(prefix="hvdref-"))
     if args.worker:
-        return worker(suite, out, args.expr, args.skip, args.sync_dir or out)
+        return worker(suite, out, args.expr, args.skip, args.sync_dir or out, args.launcher)
     out.mkdir(parents=True, exist_ok=True)
     shims = out / "shims"
     write_shims(shims)
@@ -219,6 +240,8 @@ def main() -> int:
             str(out),
             "--sync-dir",
             sync_dir,
+            "--launcher",
+            args.launcher,
         ]
         if args.expr:
             cmd += ["-k", args.expr]

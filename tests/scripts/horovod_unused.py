@@ -1,8 +1,10 @@
 """DistributedOptimizer corner cases on real workers: a parameter unused on some ranks, explicit
-synchronize() with skip_synchronize(), and num_groups. Each rank writes OUT_DIR/rank{r}.json."""
+synchronize() with skip_synchronize() (and the warning without it), and num_groups. Each rank writes
+OUT_DIR/rank{r}.json."""
 
 import json
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -44,6 +46,16 @@ for num_groups in (0, 2):
     if not torch.allclose(model.a.weight, before - want_a):
         failures.append(f"step after synchronize groups={num_groups}")
     opt.zero_grad()
+
+# Without skip_synchronize(), step() after synchronize() warns once, in Horovod's words (its tests match them).
+model(x, use_b=True).sum().backward()
+opt.synchronize()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.step()
+messages = [str(w.message) for w in caught]
+if len(messages) != 1 or "optimizer.step() called without optimizer.skip_synchronize() context" not in messages[0]:
+    failures.append(f"step after synchronize without skip_synchronize warned {messages}")
 
 with open(f"{sys.argv[1]}/rank{r}.json", "w") as f:
     json.dump({"failures": failures}, f)

@@ -22,6 +22,8 @@ def _group(kind: str, name: str | None, handles: list[Handle], finish: Any = Non
     results = finish or (lambda: [synchronize(h) for h in handles])
     group = Handle(name or f"{kind}.noname.{next(ops._auto_names)}", None, results)
     group._parts = handles  # type: ignore[attr-defined]
+    if name is not None:
+        ops._in_flight[name] = group
     return group
 
 
@@ -39,10 +41,11 @@ def grouped_allreduce_async_(
     process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start reducing each tensor of a list in place; `synchronize` returns the list."""
-    ops._claim(name)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
+    # Every name is checked before the first buffer starts: a group starts whole or not at all.
+    ops._claim(name, *[_named(name, dtype) for dtype in by_dtype])
     fused = []
     for k, (dtype, positions) in enumerate(sorted(by_dtype.items(), key=lambda item: str(item[0]))):
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in positions])
@@ -150,7 +153,7 @@ def grouped_allgather_async(
     tensors: list[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
 ) -> Handle:
     """Start gathering each tensor of a list; `synchronize` returns the list of results."""
-    ops._claim(name)
+    ops._claim(name, *[_named(name, i) for i in range(len(tensors))])
     return _group(
         "grouped_allgather", name, [ops.allgather_async(t, _named(name, i), process_set) for i, t in enumerate(tensors)]
     )
@@ -188,7 +191,7 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start reduce-scattering each tensor of a list; `synchronize` returns this worker's shares."""
-    ops._claim(name)
+    ops._claim(name, *[_named(name, i) for i in range(len(tensors))])
     handles = [
         ops.reducescatter_async(t, _named(name, i), op, process_set, prescale_factor, postscale_factor)
         for i, t in enumerate(tensors)

@@ -60,7 +60,7 @@ def pack_op(op: int, fused_buffers: int = 1) -> int:
     return op + _OPS * fused_buffers
 
 
-_rounds = 0  # exchanges over the whole world so far: the same count on every worker
+_rounds: dict[int, int] = {}  # exchanges so far per process set id: the same count on every member
 
 
 class Operation:
@@ -95,9 +95,13 @@ _parked: dict[int, list[Operation]] = {}  # per process set, in the order they w
 
 
 def reset() -> None:
-    global _rounds
-    _rounds = 0
+    _rounds.clear()
     _parked.clear()
+
+
+def exchanges(set_id: int) -> int:
+    """How many descriptor exchanges the process set has made: at matching calls, equal on its members."""
+    return _rounds.get(set_id, 0)
 
 
 def name_key(name: str | None) -> int:
@@ -118,13 +122,11 @@ def describe(kind: str, tensor: torch.Tensor, extra: int = 0, name: str | None =
     )
 
 
-def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    global _rounds
+def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None, set_id: int) -> torch.Tensor:
     world = dist.get_world_size(group)
     everyone = torch.empty(world, mine.numel(), dtype=torch.int64)
     all_gather_single(everyone.view(-1), mine, group=group)
-    if group is None:
-        _rounds += 1
+    _rounds[set_id] = _rounds.get(set_id, 0) + 1
     return everyone
 
 
@@ -209,7 +211,7 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
     while True:
         mine = op.descriptor.clone()
         mine[PARKABLE], mine[PARKED] = int(parkable), len(waiting)
-        everyone = _gather(mine, group)
+        everyone = _gather(mine, group, op.set_id)
         rows = list(range(everyone.shape[0]))
         joined = [r for r in rows if int(everyone[r, 0]) == KINDS["join"]]
         if joined:  # call order only: a joined worker answers allreduce, whatever is parked
@@ -220,7 +222,7 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
             if error:
                 raise RuntimeError(error)
             return everyone
-        parked = _parked_descriptors(everyone, waiting, group)
+        parked = _parked_descriptors(everyone, waiting, group, op.set_id)
         ready = _ready(everyone, parked)
         if ready:
             # Every worker has this name parked or is calling it: it starts now, everywhere.
@@ -269,7 +271,7 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
 
 
 def _parked_descriptors(
-    everyone: torch.Tensor, waiting: list[Operation], group: dist.ProcessGroup | None
+    everyone: torch.Tensor, waiting: list[Operation], group: dist.ProcessGroup | None, set_id: int
 ) -> list[list[torch.Tensor]]:
     """Each worker's parked operations' descriptors; a second exchange, only while some worker has any."""
     most = int(everyone[:, PARKED].max())
@@ -278,7 +280,7 @@ def _parked_descriptors(
     mine = torch.zeros(most, WIDTH, dtype=torch.int64)  # kind 0: padding
     for i, parked in enumerate(waiting):
         mine[i] = parked.descriptor
-    theirs = _gather(mine.view(-1), group).view(everyone.shape[0], most, WIDTH)
+    theirs = _gather(mine.view(-1), group, set_id).view(everyone.shape[0], most, WIDTH)
     return [[d for d in rows if int(d[0])] for rows in theirs]
 
 
@@ -307,9 +309,9 @@ def join(device: torch.device) -> int:
     The identity tensors live on `device`, which must be where the others' tensors are (NCCL
     reduces CUDA tensors, Gloo CPU ones). Returns the rank that joined last, the same everywhere.
     """
-    joined_at = _rounds
+    joined_at = exchanges(0)
     while True:
-        everyone = _gather(describe("join", torch.zeros(1, dtype=torch.int64), joined_at), None)
+        everyone = _gather(describe("join", torch.zeros(1, dtype=torch.int64), joined_at), None, 0)
         active = [r for r in range(everyone.shape[0]) if int(everyone[r, 0]) != KINDS["join"]]
         if not active:
             return max(range(everyone.shape[0]), key=lambda r: (int(everyone[r, 3]), r))

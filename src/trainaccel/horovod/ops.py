@@ -3,9 +3,9 @@
 Each operation first exchanges descriptors (see `negotiation`), so mismatched calls raise on
 every worker instead of hanging. Asynchronous forms return a handle for `poll` and
 `synchronize`; a named one that meets a different operation elsewhere waits (parked) until
-the others call it. Two operations in flight under one name raise `ValueError` on the caller
-alone, before anything is exchanged. The synchronous, differentiable forms are in `autograd`,
-the grouped forms in `grouped`.
+the others call it. A second operation under the name of one in flight raises `ValueError` on
+the caller alone, before anything is exchanged. The synchronous, differentiable forms are in
+`autograd`, the grouped forms in `grouped`.
 """
 
 from __future__ import annotations
@@ -49,12 +49,27 @@ class Handle:
     def __init__(self, name: str, work: Any, finish: Callable[[], Any] | None):
         self.name, self._work, self._finish = name, work, finish
         self._parked: negotiation.Operation | None = None  # not started: the others have not called it yet
+        self._set_id = 0
+        self._started_at: int | None = None  # the process set's exchange count when the collective started
 
     def __repr__(self) -> str:
         return f"<trainaccel.horovod handle {self.name!r}>"
 
+    def holds_name(self) -> bool:
+        """Whether the name is still taken: the operation is parked, or no exchange of its set followed its start."""
+        parts = getattr(self, "_parts", None)
+        if parts is not None:
+            return any(part.holds_name() for part in parts)
+        # Horovod's background thread frees a name when it takes the operation up to run it (or to
+        # report its error), a cycle after the call at the soonest, at a different moment on each
+        # rank. The set's next exchange after the start stands for that cycle: it is the same point
+        # on every member, so a name reused on every rank is accepted or refused on every rank.
+        if self._parked is not None:
+            return self._parked.error is None  # a parked operation that failed is over on every rank
+        return self._started_at is None or negotiation.exchanges(self._set_id) <= self._started_at
 
-_in_flight: dict[str, Handle] = {}
+
+_in_flight: dict[str, Handle] = {}  # explicitly named operations not yet synchronized
 _auto_names = itertools.count()
 
 
@@ -99,25 +114,35 @@ def _submit(
 ) -> Handle:
     """Negotiate an operation and start it with `launch(descriptors)` -> (work, finish), now or once unparked."""
     handle = Handle(name or f"{kind}.noname.{next(_auto_names)}", None, None)
+    op = negotiation.Operation(kind, name, tensor, extra, ps, first_dim_may_differ)
+    handle._set_id = op.set_id
 
     def start(everyone: torch.Tensor) -> None:
         handle._work, handle._finish = launch(everyone)
         handle._parked = None
+        handle._started_at = negotiation.exchanges(op.set_id)
 
-    op = negotiation.Operation(kind, name, tensor, extra, ps, first_dim_may_differ, start)
+    op.start = start
     # Only a named operation may wait for the others: unnamed ones are matched in call order.
     if not negotiation.submit(op, parkable=name is not None):
         handle._parked = op
-    _in_flight[handle.name] = handle
+    if name is not None:
+        _in_flight[name] = handle
     return handle
 
 
-def _claim(name: str | None) -> None:
-    # Checked before any exchange, so only the caller raises and the workers stay in step.
-    if name is not None and name in _in_flight:
-        raise ValueError(
-            f"an operation named {name!r} is already in flight; synchronize it first or choose another name"
-        )
+def _claim(*names: str | None) -> None:
+    """Raise `ValueError` if one of the names belongs to an operation in flight.
+
+    Checked before any exchange, so that a rank calling a duplicate alone (as Horovod's tests do)
+    raises alone; a name reused on every rank is judged alike everywhere (see `Handle.holds_name`).
+    """
+    for name in names:
+        held = _in_flight.get(name) if name is not None else None
+        if held is not None and held.holds_name():
+            raise ValueError(
+                f"an operation named {name!r} is already in flight; synchronize it first or choose another name"
+            )
 
 
 def _begin(name: str | None, process_set: ProcessSet | None) -> ProcessSet:
@@ -363,6 +388,8 @@ def sparse_allreduce_async(
     if op not in (Average, Sum):
         raise ValueError(f"sparse allreduce supports op=Average or Sum, got {op.name}")
     t = tensor.coalesce()
+    if name is not None:
+        _claim(f"{name}.indices", f"{name}.values")  # both, or neither starts
     # Unnamed, its two gathers stay unnamed too: matched in call order, never parked.
     indices = allgather_async(t.indices().t().contiguous(), None if name is None else f"{name}.indices", process_set)
     values = allgather_async(t.values(), None if name is None else f"{name}.values", process_set)

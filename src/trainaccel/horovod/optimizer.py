@@ -296,7 +296,8 @@ class _DistributedOptimizer:
         if not self._skip_synchronize:
             if self._synchronized and self._process_set is not None:
                 warnings.warn(
-                    "optimizer.step() called without the optimizer.skip_synchronize() context after "
+                    # Horovod's wording: scripts and Horovod's own tests match on it.
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(); "
                     "wrap step() in `with optimizer.skip_synchronize():` to say it is intended",
                     stacklevel=2,
