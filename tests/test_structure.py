@@ -67,6 +67,22 @@ def test_no_import_cycles() -> None:
     assert import_cycles(graph) == []
 
 
+def test_comm_imports_no_feature_above_it() -> None:
+    # comm/ communicates; zero_code.py composes it with AMP, metrics and compile. From monitor/ it takes the
+    # timeline (the hook's spans) and the step watcher that register()'s straggler_every and timeline options need.
+    graph = grimp.build_graph("trainaccel", cache_dir=None, exclude_type_checking_imports=True)
+    above = ("trainaccel.zero_code", "trainaccel.runtime", "trainaccel.compiler", "trainaccel.amp")
+    monitors = {"trainaccel.monitor.timeline", "trainaccel.monitor.ddp"}
+    found = []
+    for module in sorted(m for m in graph.modules if m.split(".")[:2] == ["trainaccel", "comm"]):
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if imported.startswith(tuple(f"{name}." for name in above)) or imported in above:
+                found.append(f"{module} -> {imported}")
+            elif imported.startswith("trainaccel.monitor") and imported not in monitors:
+                found.append(f"{module} -> {imported}")
+    assert found == []
+
+
 def private_imports(path: Path) -> list[str]:
     """`from trainaccel.x import _name` in `path`: a private name of another module."""
     found = []

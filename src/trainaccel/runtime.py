@@ -35,7 +35,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     if start_process_group:
         _start_process_group(mapped)
 
-    from trainaccel.comm.patch import patch_ddp
+    from trainaccel.zero_code import patch_ddp
 
     previous = current_config()
     patch_ddp(config)

@@ -1,13 +1,13 @@
-"""trainaccel's communication engine: DDP hooks, codecs, hierarchy, local steps, the DDP patch behind `init()`, and
-the cross-node sum of sharded models (`register_fsdp`)."""
+"""trainaccel's communication engine: DDP hooks, codecs, hierarchy, local steps, DiLoCo, and the cross-node sum of
+sharded models (`register_fsdp`)."""
 
 from trainaccel.comm.checkpoint import load_state_dict, state_dict
 from trainaccel.comm.codecs import CastCompression, Codec, ErrorFeedback, NoCompression, RandomK, TopK, get_codec
+from trainaccel.comm.ddp import build_state, bytes_per_step, bytes_sent, comm_state, register
 from trainaccel.comm.diloco import DiLoCo, sync_replicas
 from trainaccel.comm.fsdp import register_fsdp
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.local_steps import LocalSteps
-from trainaccel.comm.patch import build_state, bytes_per_step, bytes_sent, comm_state, patch_ddp, register
 from trainaccel.comm.topology import Topology, discover
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "discover",
     "get_codec",
     "load_state_dict",
-    "patch_ddp",
     "register",
     "register_fsdp",
     "state_dict",

@@ -1,0 +1,103 @@
+"""Zero-code mode: what `init()` adds to each DDP model built after it (AMP, metrics, sync_every, compile, the
+communication hook), composed above the modules that implement them."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainaccel import context
+from trainaccel.amp.ddp import enable_amp
+from trainaccel.comm import checkpoint, diloco
+from trainaccel.comm.ddp import register
+from trainaccel.comm.exit_guard import guard_exit
+from trainaccel.config import Config
+from trainaccel.context import log, warn_once
+from trainaccel.monitor.ddp import attach_meter
+from trainaccel.observer import StepObserver, observe, observer_of
+
+
+def patch_ddp(config: Config) -> None:
+    """Every DDP model constructed from now on gets what `config` asks for (idempotent; undone by shutdown)."""
+    context.set_config(config)
+    if config.sync_every:
+        diloco.record_optimizers()  # before the script builds its optimizers: a model's inner step waits for each
+    if not context.first_time("DDP patch"):
+        return
+    # A checkpoint is often loaded into the module before DDP wraps it: keep its engine state for the wrap.
+    original_load = torch.nn.Module.load_state_dict
+    context.patch(torch.nn.Module, "load_state_dict", checkpoint.restoring_load_state_dict(original_load))
+    original = DistributedDataParallel.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        config = context.current_config()
+        if config is not None and config.bucket_mb is not None:
+            bound = signature.bind_partial(self, *args, **kwargs).arguments
+            if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
+                kwargs["bucket_cap_mb"] = config.bucket_mb
+        original(self, *args, **kwargs)
+        if config is not None:
+            accelerate(self, config)
+
+    context.patch(DistributedDataParallel, "__init__", __init__)
+
+
+def accelerate(ddp_model: DistributedDataParallel, config: Config) -> StepObserver:
+    """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step."""
+    observer = observe(ddp_model, compiled=config.compile == "on")
+    if config.sync_every:
+        diloco.attach(ddp_model, config)  # no gradient exchange: the hook registered at the first step is not needed
+    checkpoint.attach(observer)  # before the hook exists: a checkpoint loaded now waits for it
+    if config.amp != "off":
+        enable_amp(observer, config)
+    if config.metrics_every:
+        attach_meter(observer, config)
+    if hasattr(ddp_model, "reducer"):
+        # Registered at the first forward, so a script that registers its own hook after
+        # building the model keeps it (DDP accepts only one hook per model).
+        unsubscribe = None
+
+        def at_first_step(observer: StepObserver, args: tuple, kwargs: dict) -> None:
+            unsubscribe()
+            _register_at_first_step(ddp_model, config)
+
+        unsubscribe = observer.subscribe("step_begin", at_first_step)
+    return observer
+
+
+def _register_at_first_step(ddp_model: DistributedDataParallel, config: Config) -> None:
+    if config.compile == "on":
+        # From the second step on: this first call registers hooks, which is no work for a compiler.
+        from trainaccel.compiler import compile
+
+        compile(ddp_model, config.compile_preset)
+    if observer_of(ddp_model).diloco is not None:
+        if config.straggler_every or config.timeline is not None:
+            warn_once(
+                f"straggler_every and timeline time the per-step gradient exchange, which sync_every="
+                f"{config.sync_every} switches off: off for this model"
+            )
+        return
+    existing = ddp_model._get_ddp_logging_data().get("comm_hook")
+    if existing:
+        log.info("keeping the communication hook %s registered by the script", existing)
+        if config.straggler_every or config.timeline is not None:
+            warn_once(
+                "straggler_every and timeline need trainaccel's communication hook: off for this model, "
+                f"which keeps the script's hook {existing}"
+            )
+        guard_exit()  # a Python hook of the script's is exposed to the same exit race as ours
+        return
+    if config.local_steps > 1 and observer_of(ddp_model).local_steps is None:
+        warn_once(
+            f"local_steps={config.local_steps} needs trainaccel.comm.LocalSteps(model, optimizer) in the script: "
+            "without it this model reduces gradients at every backward pass (zero-code mode cannot hold back "
+            "the script's optimizer steps)"
+        )
+    register(ddp_model, config)
