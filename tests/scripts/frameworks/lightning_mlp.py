@@ -7,7 +7,8 @@ import torch
 from report import STEPS, Recorder, dataset, mlp, parse
 
 
-def main() -> None:
+def main(validate: bool = False) -> None:
+    """`validate`: a validation loop too (Lightning's sanity check first, then every 4 steps), as most scripts have."""
     args = parse()
     import lightning as L
 
@@ -23,6 +24,9 @@ def main() -> None:
             loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
             recorder.loss(loss)
             return loss
+
+        def validation_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=3e-2)
@@ -48,12 +52,14 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=2 if validate else 0,
+        val_check_interval=4 if validate else None,
+        limit_val_batches=2,
         default_root_dir=os.path.join(args.out, "lightning"),
         callbacks=[observe],
     )
     loader = torch.utils.data.DataLoader(dataset(int(os.environ["WORLD_SIZE"])), batch_size=16)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, loader if validate else None)
     recorder.finish(observe.ddp, args.out)
 
 
