@@ -4,6 +4,8 @@ import copy
 import functools
 import io
 import re
+import threading
+import types
 import warnings
 
 import pytest
@@ -68,6 +70,7 @@ def test_zero_code_equals_diloco_by_hand(ranks):
         "every_rank_look",
         "after_subset_look",
         "after_skip",
+        "after_script_skip",
         "bn/False",
         "bn/True",
         "end_live",
@@ -406,7 +409,24 @@ def test_looks_see_the_synced_model_send_nothing_and_leave_the_replica_alone(str
 
 
 def _no_collective(name: str, *args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():  # a sync started by training, still in flight
+        return getattr(_COLLECTIVES, name)(*args, **kwargs)
     raise AssertionError(f"a look called torch.distributed.{name}")
+
+
+_COLLECTIVES = types.SimpleNamespace(
+    **{
+        name: getattr(dist.distributed_c10d, name)
+        for name in (
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "barrier",
+        )
+    }
+)
 
 
 def _look_at(model: nn.Module, reference: nn.Module, x: torch.Tensor, live: list[torch.Tensor]) -> None:
@@ -494,6 +514,24 @@ def test_a_skipped_gradscaler_step_counts_as_an_inner_step():
         scaler.step(inner)
         scaler.update()
     assert diloco.steps == 3 and diloco.syncs == 1
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("clear", ["optimizer", "module"])
+def test_a_step_the_script_skips_counts_as_an_inner_step(clear):
+    """`if not torch.isfinite(norm): continue` skips on one replica only: every rank must still count it."""
+    model = _net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=2)
+    for i in range(5):
+        (inner if clear == "optimizer" else model).zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        if i == 1:
+            continue  # skipped: its gradients are cleared at the next iteration's zero_grad
+        inner.step()
+        model(torch.randn(3, 4)).sum()  # a forward with gradients on and no backward (an evaluation without no_grad)
+        inner.zero_grad()  # ...then cleared: no skipped step
+    assert diloco.steps == 5 and diloco.syncs == 2
 
 
 @pytest.mark.usefixtures("one_process_group")

@@ -199,6 +199,20 @@ def main() -> None:
         scaler.update()
     result["after_skip"] = digest(model.module)
 
+    # 3b. A step the script skips on rank 1 only (`if not finite: continue`) counts: the syncs stay aligned, the end
+    # comes without a wait.
+    model = DDP(net(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(1, 8):
+        x, y = batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if rank == 1 and step == 2:
+            continue
+        optimizer.step()
+    optimizer.zero_grad()
+    result["after_script_skip"] = [digest(model.module), model.trainaccel.diloco.steps, model.trainaccel.diloco.syncs]
+
     # 4. BatchNorm statistics averaged; find_unused_parameters needs nothing more without the per-step exchange.
     for options in ({"find_unused_parameters": False}, {"find_unused_parameters": True}):
         torch.manual_seed(3)

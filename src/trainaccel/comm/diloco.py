@@ -132,6 +132,7 @@ class DiLoCo:
         "_holders": "the optimizers whose steps make one inner step: the given ones, or those seen stepping the model",
         "_known": "whether `_holders` is complete: given, or learned when the first inner step ended",
         "_stepped": "ids of the optimizers that stepped the model since the last inner step ended",
+        "_backward_seen": "gradients reached the model's parameters since the last inner step ended",
         "_holding": "optimizer -> (parameter groups seen, whether it holds a parameter of the model), a cache",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
         "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
@@ -219,6 +220,7 @@ class DiLoCo:
         given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
         self._given, self._holders, self._known = bool(given), weakref.WeakSet(given), bool(given)
         self._stepped: set[int] = set()
+        self._backward_seen = False
         self._holding: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = weakref.WeakKeyDictionary()
         self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
@@ -238,6 +240,7 @@ class DiLoCo:
             self._switch_off_exchange()
         if self._module is not None:
             self._watch_looks()
+        self._watch_backward()
         _install()
         _live[self.index] = self
         warn_once(
@@ -388,7 +391,7 @@ class DiLoCo:
     def _end_step(self) -> None:
         """An inner step ended (every optimizer holding the model stepped): count it, start the syncs now due."""
         self._stepped.clear()
-        self._known = True
+        self._known, self._backward_seen = True, False
         self.steps += 1
         if self.steps == self.warmup and self._ddp is not None:
             self._switch_off_exchange()  # the warm-up's steps were DDP's: from the next step on, local steps
@@ -662,6 +665,21 @@ class DiLoCo:
             innermost.register_state_dict_post_hook(OwnHook(innermost, after_state_dict)).remove,
         ]
 
+    def _watch_backward(self) -> None:
+        seen = _BackwardSeen(self)
+        self._undo += [p.register_post_accumulate_grad_hook(seen).remove for p in self._params if not _is_dtensor(p)]
+
+    def _cleared(self) -> None:
+        """Gradients cleared (zero_grad) after a backward and before any optimizer stepped the model: the script
+        skipped this step (`if not torch.isfinite(norm): continue`). Counted, as a GradScaler's skipped step is:
+        gradients are each replica's own, so replicas skip different steps, and every rank must count alike."""
+        if self._backward_seen and not self._stepped:
+            info_once(
+                "sync_every: gradients were cleared without an optimizer step (a skipped step); counted as an inner "
+                "step, so that every rank syncs at the same iteration"
+            )
+            self._end_step()
+
     def _synced_state_dict(self, module: torch.nn.Module, destination: dict, prefix: str) -> None:
         """state_dict() holds the synced model, on any rank and at any step (no rank waits for another)."""
         if self._shows_live():
@@ -897,6 +915,36 @@ def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the an
     return future.then(track(lambda done: done.value()[0]))
 
 
+class _BackwardSeen:
+    """A parameter's post-accumulate-grad hook: notes that a backward reached the model (inert in copies)."""
+
+    __slots__ = ("diloco",)
+
+    def __init__(self, diloco: DiLoCo):
+        self.diloco = weakref.ref(diloco)
+
+    def __call__(self, parameter: torch.Tensor) -> None:
+        diloco = self.diloco()
+        if diloco is not None:
+            diloco._backward_seen = True
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _unseen()  # a copy's parameters belong to no DiLoCo
+
+    def __reduce__(self) -> tuple:
+        return (_unseen, ())
+
+
+def _unseen() -> Any:
+    hook = _BackwardSeen.__new__(_BackwardSeen)
+    hook.diloco = lambda: None
+    return hook
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "to_local")
+
+
 def _is_zero_redundancy(optimizer: torch.optim.Optimizer) -> bool:
     # Looked up, not imported: importing torch.distributed.optim warns of torch.jit's deprecation.
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
@@ -966,6 +1014,8 @@ def _install() -> None:
     from torch.amp.grad_scaler import GradScaler
 
     context.patch(GradScaler, "step", _counting_skips(GradScaler.step))
+    context.patch(torch.optim.Optimizer, "zero_grad", _noting_clears(torch.optim.Optimizer.zero_grad, _by_optimizer))
+    context.patch(torch.nn.Module, "zero_grad", _noting_clears(torch.nn.Module.zero_grad, _by_module))
     destroy = distributed_c10d.destroy_process_group
     draining_destroy = _draining_first(destroy)
     context.patch(distributed_c10d, "destroy_process_group", draining_destroy)
@@ -1008,6 +1058,28 @@ def _counting_skips(original: Any) -> Any:
         return result
 
     return step
+
+
+def _noting_clears(original: Any, trains: Any) -> Any:
+    """`zero_grad` (an optimizer's or a module's) that tells each DiLoCo it concerns: a skipped step is counted."""
+
+    @functools.wraps(original)
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        for diloco in list(_live.values()):
+            if trains(diloco, self):
+                diloco._cleared()
+        return result
+
+    return zero_grad
+
+
+def _by_optimizer(diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> bool:
+    return diloco._holds(optimizer)
+
+
+def _by_module(diloco: DiLoCo, module: torch.nn.Module) -> bool:
+    return diloco._module is not None and diloco._module in (module, getattr(module, "module", None))
 
 
 def _draining_first(destroy: Any) -> Any:
