@@ -199,6 +199,7 @@ class ShardedDataParallel(DistributedDataParallel):
             self.module.set_reduce_scatter_unused_params(True)
         self.device_ids = bound.get("device_ids")
         self.dim = bound.get("dim", 0)
+        self.static_graph = bound.get("static_graph", False)  # read by frameworks (Lightning's teardown)
         self.shard_mode = config.shard
         self.mixed_precision = config.amp != "off"  # FSDP2's MixedPrecisionPolicy: see no_sync()
         # Heartbeats and the step counter, as for a DDP model: a stalled peer is named, not only timed out.
@@ -239,6 +240,10 @@ class ShardedDataParallel(DistributedDataParallel):
             f"register_comm_hook: under shard={self.shard_mode} FSDP2 reduces the gradients, not DDP; use "
             "compression (hybrid) for trainaccel's codecs, or shard=off for a DDP hook"
         )
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """DDP's own summary, as frameworks read it (Lightning at its teardown): no DDP reducer or hook here."""
+        return {"comm_hook": "", "can_set_static_graph": False, "trainaccel_shard": self.shard_mode}
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
         raise ShardError(f"join(): uneven inputs are not supported under shard={self.shard_mode}; use shard=off")

@@ -44,33 +44,7 @@ CI = {("plain", option, "run") for option in OPTIONS if option != "sync_every_no
     ("plain", "fp16", "init"),
 }
 # Cells that fail today, each with what was seen and where the cause is: strict, so that a fix shows as XPASS.
-_SHARDED_LIGHTNING = (
-    "Lightning's DDPStrategy.teardown() reads model.static_graph and model._get_ddp_logging_data(), which "
-    "ShardedDataParallel (src/trainaccel/sharding.py) lacks: it subclasses DDP without DDP.__init__, so training "
-    "ends in AttributeError: 'ShardedDataParallel' object has no attribute 'static_graph'"
-)
-_HOROVOD = (
-    "hvd.DistributedOptimizer (src/trainaccel/horovod/optimizer.py) ignores the resolved config: its defaults "
-    "compression=Compression.none and sync_every=None stand whatever --compression or --sync-every says; amp and "
-    "shard act only on DDP models (comm/patch.py, sharding.py), and a Horovod script builds none: the option is "
-    "neither applied nor refused"
-)
-_LIGHTNING_EVAL = (
-    "after Lightning's sanity check (a validation loop) its DDP wrapper stays training == False: Lightning puts "
-    "the LightningModule back in training mode, not the wrapper, and observer.py's _before_forward reads the DDP "
-    "model's .training, so every training forward is taken for an evaluation: observer.step stays 0 and "
-    "comm/patch.py never registers the hook (fp16, topk: plain DDP's allreduce, all the gradient's bytes per step)"
-)
-XFAIL: dict[tuple[str, str, str], str] = {
-    **{
-        ("lightning_validate", option, how): _LIGHTNING_EVAL
-        for option in ("none", "fp16", "topk", "sync_every", "sync_every_node")
-        for how in LAUNCHES
-    },
-    **{("lightning_validate", "shard_full", how): _SHARDED_LIGHTNING for how in LAUNCHES},
-    **{("lightning", "shard_full", how): _SHARDED_LIGHTNING for how in LAUNCHES},
-    **{("horovod", option, how): _HOROVOD for option in OPTIONS if option != "none" for how in LAUNCHES},
-}
+XFAIL: dict[tuple[str, str, str], str] = {}
 # A refusal's line names the client (one of these words) and the option.
 CLIENT_WORDS = {
     "plain": ("DistributedDataParallel", "DDP"),

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.exchange import say_fallback, start_exchange
+from trainaccel.context import current_config, info_once
 from trainaccel.horovod import negotiation, ops
 from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
@@ -334,6 +335,7 @@ def DistributedOptimizer(
     applied by the outer optimizer (`trainaccel.comm.DiLoCo`, as `optimizer.diloco`; call `optimizer.diloco.sync()`
     on every rank to average before evaluating or saving).
     """
+    compression, sync_every = _launch_options(compression, sync_every)
     methods = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     wrapped = cls.__new__(cls)
@@ -351,3 +353,50 @@ def DistributedOptimizer(
         sync_every,
     )
     return wrapped
+
+
+# trainaccel run's (or init()'s) options, as the Horovod optimizer takes them when the script leaves its own default.
+_CODECS = {
+    "fp16": lambda config: Compression.fp16,
+    "bf16": lambda config: Compression.bf16,
+    "topk": lambda config: Compression.topk(config.compression_ratio),
+    "randomk": lambda config: Compression.randomk(config.compression_ratio),
+}
+
+
+def _launch_options(
+    compression: type[Compressor] | CodecCompression, sync_every: int | None
+) -> tuple[type[Compressor] | CodecCompression, int | None]:
+    """The launch's compression and sync_every where the script passed none; options that act on DDP models, which
+    a Horovod script does not build, refused in one line each."""
+    config = current_config()
+    if config is None:
+        return compression, sync_every
+    refused = {
+        "amp": (config.amp != "off", "autocasts a DDP model's forward"),
+        "shard": (config.shard != "off", "shards a DDP model with FSDP2"),
+        "compression": (config.compression == "powersgd", "is torch's DDP hook"),
+        "sync_scope": (
+            config.sync_every and config.sync_scope == "node",
+            "under sync_every averages gradients within each node through a DDP hook (one replica per node)",
+        ),
+    }
+    for name, (applies, why) in refused.items():
+        if applies:
+            value = getattr(config, name)
+            raise ValueError(
+                f"{name}={value} {why}, and a Horovod script trains through hvd.DistributedOptimizer, which it does "
+                f"not reach: drop {name} from the launch (amp: torch.autocast in the script; sync_scope: rank, one "
+                "replica per worker)"
+            )
+    if compression is Compression.none and config.compression in _CODECS:
+        compression = _CODECS[config.compression](config)
+        info_once(f"hvd.DistributedOptimizer: compression={config.compression}, from the launch's options")
+    if sync_every is None and config.sync_every:
+        if config.sync_every == "auto":
+            raise ValueError(
+                "sync_every=auto is not taken by hvd.DistributedOptimizer: give an integer, or sync_every=H to it"
+            )
+        sync_every = config.sync_every
+        info_once(f"hvd.DistributedOptimizer: sync_every={sync_every}, from the launch's options")
+    return compression, sync_every
