@@ -151,3 +151,28 @@ def test_a_module_wrapped_in_ddp_again_keeps_one_diloco():
     assert second.require_backward_grad_sync is False and second.broadcast_buffers is False
     _train(second, torch.optim.SGD(second.parameters(), lr=0.1), 2)
     assert second.trainaccel.diloco.steps == 4 and second.trainaccel.diloco.syncs == 1
+
+
+@pytest.mark.usefixtures("group")
+def test_an_iteration_the_script_skips_still_counts_as_an_inner_step():
+    """`if not torch.isfinite(norm): optimizer.zero_grad(); continue` skips a step on the rank whose own gradients
+    are not finite; under sync_every gradients are each rank's own, so the other ranks step. Every rank must still
+    count the iteration (as a GradScaler's skip counts), or its syncs fall one step behind the others' and the last
+    sync waits for a rank that has stopped training."""
+    trainaccel.init(sync_every=2, sync_scope="rank", start_process_group=False)
+    model = DDP(_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(4):
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4)).square().mean()
+        if i == 1:
+            loss = loss * float("inf")
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not torch.isfinite(norm):
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+    model(torch.randn(3, 4))  # the next training forward ends any iteration still open
+    assert model.trainaccel.diloco.steps == 4
+    assert model.trainaccel.diloco.syncs == 2
