@@ -176,3 +176,25 @@ def test_an_iteration_the_script_skips_still_counts_as_an_inner_step():
     model(torch.randn(3, 4))  # the next training forward ends any iteration still open
     assert model.trainaccel.diloco.steps == 4
     assert model.trainaccel.diloco.syncs == 2
+
+
+@pytest.mark.usefixtures("group")
+def test_layers_unfrozen_by_wrapping_again_are_synced_too():
+    """Fine-tuning recipes train with the backbone frozen, then set requires_grad and wrap the module in a new DDP
+    model. The layers unfrozen then train like the others, so they must be synced like the others: a look after a
+    sync and one more step sees them as the sync left them, not the live replica's own steps."""
+    trainaccel.init(sync_every=2, sync_scope="rank", start_process_group=False)
+    module = _net()
+    module[0].requires_grad_(False)
+    first = DDP(module)
+    _train(first, torch.optim.SGD([p for p in first.parameters() if p.requires_grad], lr=0.1), 2)
+    module[0].requires_grad_(True)
+    second = DDP(module)
+    optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    _train(second, optimizer, 2)  # the sync at step 4 takes every trainable parameter
+    at_sync = {name: p.detach().clone() for name, p in module.named_parameters()}
+    _train(second, optimizer, 1)
+    looked = module.state_dict()
+    for name, p in module.named_parameters():
+        assert not torch.equal(p, at_sync[name])
+        assert torch.equal(looked[name], at_sync[name]), name
