@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -198,3 +200,19 @@ def test_layers_unfrozen_by_wrapping_again_are_synced_too():
     for name, p in module.named_parameters():
         assert not torch.equal(p, at_sync[name])
         assert torch.equal(looked[name], at_sync[name]), name
+
+
+@pytest.mark.usefixtures("group")
+def test_loading_an_ema_copy_says_nothing_about_the_engine_state(trainaccel_messages):
+    """Reference recipes resume the model from the checkpoint's `model` entry, then its EMA copy (a deepcopy of the
+    module, or an AveragedModel around one) from `model_ema`. The copy never carried engine state: loading it is no
+    resume, and a warning that the residuals start anew would say the resume just done lost them."""
+    trainaccel.init(compression="fp16", start_process_group=False)
+    model = DDP(_net())
+    ema = copy.deepcopy(model.module)
+    averaged = torch.optim.swa_utils.AveragedModel(model.module)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model.module.load_state_dict(model.module.state_dict())
+    ema.load_state_dict(ema.state_dict())
+    averaged.load_state_dict(averaged.state_dict())
+    assert not any("carries no trainaccel engine state" in m for m in trainaccel_messages)
