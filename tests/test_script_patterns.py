@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,3 +153,66 @@ def test_a_module_wrapped_in_ddp_again_keeps_one_diloco():
     assert second.require_backward_grad_sync is False and second.broadcast_buffers is False
     _train(second, torch.optim.SGD(second.parameters(), lr=0.1), 2)
     assert second.trainaccel.diloco.steps == 4 and second.trainaccel.diloco.syncs == 1
+
+
+@pytest.mark.usefixtures("group")
+def test_an_iteration_the_script_skips_still_counts_as_an_inner_step():
+    """`if not torch.isfinite(norm): optimizer.zero_grad(); continue` skips a step on the rank whose own gradients
+    are not finite; under sync_every gradients are each rank's own, so the other ranks step. Every rank must still
+    count the iteration (as a GradScaler's skip counts), or its syncs fall one step behind the others' and the last
+    sync waits for a rank that has stopped training."""
+    trainaccel.init(sync_every=2, sync_scope="rank", start_process_group=False)
+    model = DDP(_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(4):
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4)).square().mean()
+        if i == 1:
+            loss = loss * float("inf")
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not torch.isfinite(norm):
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+    model(torch.randn(3, 4))  # the next training forward ends any iteration still open
+    assert model.trainaccel.diloco.steps == 4
+    assert model.trainaccel.diloco.syncs == 2
+
+
+@pytest.mark.usefixtures("group")
+def test_layers_unfrozen_by_wrapping_again_are_synced_too():
+    """Fine-tuning recipes train with the backbone frozen, then set requires_grad and wrap the module in a new DDP
+    model. The layers unfrozen then train like the others, so they must be synced like the others: a look after a
+    sync and one more step sees them as the sync left them, not the live replica's own steps."""
+    trainaccel.init(sync_every=2, sync_scope="rank", start_process_group=False)
+    module = _net()
+    module[0].requires_grad_(False)
+    first = DDP(module)
+    _train(first, torch.optim.SGD([p for p in first.parameters() if p.requires_grad], lr=0.1), 2)
+    module[0].requires_grad_(True)
+    second = DDP(module)
+    optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    _train(second, optimizer, 2)  # the sync at step 4 takes every trainable parameter
+    at_sync = {name: p.detach().clone() for name, p in module.named_parameters()}
+    _train(second, optimizer, 1)
+    looked = module.state_dict()
+    for name, p in module.named_parameters():
+        assert not torch.equal(p, at_sync[name])
+        assert torch.equal(looked[name], at_sync[name]), name
+
+
+@pytest.mark.usefixtures("group")
+def test_loading_an_ema_copy_says_nothing_about_the_engine_state(trainaccel_messages):
+    """Reference recipes resume the model from the checkpoint's `model` entry, then its EMA copy (a deepcopy of the
+    module, or an AveragedModel around one) from `model_ema`. The copy never carried engine state: loading it is no
+    resume, and a warning that the residuals start anew would say the resume just done lost them."""
+    trainaccel.init(compression="fp16", start_process_group=False)
+    model = DDP(_net())
+    ema = copy.deepcopy(model.module)
+    averaged = torch.optim.swa_utils.AveragedModel(model.module)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model.module.load_state_dict(model.module.state_dict())
+    ema.load_state_dict(ema.state_dict())
+    averaged.load_state_dict(averaged.state_dict())
+    assert not any("carries no trainaccel engine state" in m for m in trainaccel_messages)
