@@ -194,6 +194,11 @@ def observe(model: torch.nn.Module, compiled: bool = False) -> StepObserver:
     return observer
 
 
+def observed() -> bool:
+    """Whether any DDP model of this process is observed now."""
+    return any(o.model() is not None for o in list(_observers))
+
+
 def observer_of(model: torch.nn.Module) -> StepObserver | None:
     """The observer of a DDP model, or of the DDP model wrapping this module; None if there is none."""
     observer = model.__dict__.get("trainaccel")

@@ -27,7 +27,7 @@ from trainaccel.comm.hooks import CommState
 from trainaccel.comm.momentum import restore_moved
 from trainaccel.context import current_config, warn_once
 from trainaccel.environment import env_rank, env_world_size
-from trainaccel.observer import StepObserver, observer_of
+from trainaccel.observer import StepObserver, observed, observer_of
 
 FORMAT = 1
 METADATA_KEY = "trainaccel_comm"  # in the metadata of the DDP model's module, next to torch's "version"
@@ -160,6 +160,8 @@ def _say_what_starts_anew(module: torch.nn.Module) -> None:
         return  # the explicit APIs' users hold their engine state themselves
     if observer is not None and module not in [observer.model(), *(ref() for ref in observer.chain)]:
         return  # a submodule's own load (pretrained weights for one layer): not a resume
+    if observer is None and observed():
+        return  # the model is wrapped already: this is another module (an EMA's copy), not the model resuming
     lost = []
     if config.sync_every:
         if config.outer_optimizer != "average":

@@ -872,6 +872,17 @@ def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
     """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo; a module wrapped
     again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper."""
     diloco = next((d for d in _live.values() if d._module is model.module), None)
+    trainable = [p for p in dict.fromkeys(model.module.parameters()) if p.requires_grad]
+    if diloco is not None and [id(p) for p in trainable] != [id(p) for p in diloco._params]:
+        # Layers frozen or unfrozen since: the replicas averaged (every rank builds the new DDP model), then syncs
+        # anew over the parameters trainable now, from that common model.
+        info_once(
+            "sync_every: the module was wrapped in DDP again with other trainable parameters; the replicas are "
+            "averaged and the syncs start anew over the trainable ones (the outer optimizer's state starts empty)"
+        )
+        diloco.sync()
+        diloco.detach()
+        diloco = None
     if diloco is not None:
         diloco._rewrap(model, config.hierarchical)
     else:
