@@ -216,3 +216,25 @@ def test_loading_an_ema_copy_says_nothing_about_the_engine_state(trainaccel_mess
     ema.load_state_dict(ema.state_dict())
     averaged.load_state_dict(averaged.state_dict())
     assert not any("carries no trainaccel engine state" in m for m in trainaccel_messages)
+
+
+@pytest.mark.usefixtures("group")
+@pytest.mark.parametrize("saved_by", [0, 1])
+def test_residuals_are_restored_on_the_rank_that_saved_them_only(saved_by, trainaccel_messages):
+    """A checkpoint saved by rank 0 alone carries rank 0's residuals: another rank starts its own empty."""
+    trainaccel.init(sync_every=2, outer_compression="int8", start_process_group=False)
+    model = DDP(_net())
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    state = model.state_dict()
+    engine = next(m["trainaccel_comm"] for m in state._metadata.values() if "trainaccel_comm" in m)
+    assert engine["diloco"]["residuals"]  # int8 leaves something unsent
+    engine["rank"] = saved_by  # as if another rank had saved it
+    resumed = DDP(_net())
+    resumed.load_state_dict(state)
+    residuals = resumed.trainaccel.diloco._feedback.residuals
+    if saved_by == 0:
+        assert residuals.keys() == engine["diloco"]["residuals"].keys()
+        assert all(torch.equal(residuals[k], v) for k, v in engine["diloco"]["residuals"].items())
+    else:
+        assert residuals == {}
+        assert any("is not this rank's (it was saved by rank 1)" in m for m in trainaccel_messages)
