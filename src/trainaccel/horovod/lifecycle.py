@@ -30,10 +30,13 @@ def init(comm: object = None, process_sets: Any = None) -> None:
     if process_sets is not None and process_sets != "dynamic" and not isinstance(process_sets, (list, tuple)):
         raise ValueError(f"invalid process_sets={process_sets!r}; accepted: a list of ProcessSets or 'dynamic'")
     import trainaccel
+    from trainaccel.context import current_config
     from trainaccel.environment import is_distributed
 
     was_up = dist.is_initialized()
-    trainaccel.init()
+    if current_config() is None or not was_up:
+        trainaccel.init()
+    # else: the script's own trainaccel.init(...) (or trainaccel run's) came first: its options stand
     if not dist.is_initialized() and not is_distributed():
         # A script started without a launcher is a job of one, as with Horovod.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
