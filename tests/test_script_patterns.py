@@ -231,7 +231,7 @@ def test_residuals_are_restored_on_the_rank_that_saved_them_only(saved_by, train
     engine["rank"] = saved_by  # as if another rank had saved it
     resumed = DDP(_net())
     resumed.load_state_dict(state)
-    residuals = resumed.trainaccel.diloco._feedback.residuals
+    residuals = resumed.trainaccel.diloco.outer.feedback.residuals
     if saved_by == 0:
         assert residuals.keys() == engine["diloco"]["residuals"].keys()
         assert all(torch.equal(residuals[k], v) for k, v in engine["diloco"]["residuals"].items())

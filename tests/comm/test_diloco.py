@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainaccel
 from conftest import SCRIPTS, read_ranks, run_nodes, trainaccel_cmd
-from trainaccel.comm import DiLoCo, register, sync_replicas
+from trainaccel.comm import DiLoCo, OuterSync, register, sync_replicas
 from trainaccel.config import Config, ConfigError
 
 
@@ -244,6 +244,44 @@ def test_streaming_equals_staggered_delayed_outer_steps_by_hand(outer, fragments
 
 
 @pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("outer", ["nesterov", "average"])
+@pytest.mark.parametrize("fragments, overlap", [(1, 0), (2, 1), (3, 2)])
+def test_the_algorithm_alone_driven_by_the_loop_equals_the_outer_rule_by_hand(outer, fragments, overlap):
+    """OuterSync without DiLoCo: nothing hooked on the module, the optimizer or torch; the loop calls it."""
+    from torch.optim import optimizer as optim_module
+
+    global_hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sync = OuterSync(
+        model.parameters(), sync_every=4, outer_optimizer=outer, sync_fragments=fragments, sync_overlap=overlap
+    )
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model._state_dict_hooks
+    assert (
+        len(optim_module._global_optimizer_pre_hooks),
+        len(optim_module._global_optimizer_post_hooks),
+    ) == global_hooks
+    ids = {id(p): i for i, p in enumerate(model.parameters())}
+    split = [[ids[id(p)] for p in fragment] for fragment in sync.fragments]
+    for i in range(1, 12):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        sync.prepare()
+        inner.step()
+        sync.step()
+    assert sync.steps == 11 and sync.syncs == sum(
+        1 + (11 - overlap - (f + 1) * 4 // fragments) // 4 for f in range(fragments)
+    )
+    for got, want in zip(model.parameters(), _by_hand(11, 4, outer, split, overlap)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        model(torch.randn(2, 4))  # a look changes nothing: the algorithm alone has no looks
+    assert sync.steps == 11
+
+
+@pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize("how", ["found", "given", "built_before", "stale", "sparse_first"])
 def test_with_two_optimizers_an_inner_step_ends_after_both(how):
     """Two AdamW on the two layers are one AdamW on all: the syncs come after both, as DiLoCo by hand with one."""
@@ -307,7 +345,7 @@ class _Both:
 
 
 def test_fragments_are_contiguous_runs_of_about_equal_size():
-    from trainaccel.comm.diloco import split_fragments
+    from trainaccel.comm.outer_sync import split_fragments
 
     def sizes(numels: list[int], count: int) -> list[list[int]]:
         return [[p.numel() for p in run] for run in split_fragments([torch.zeros(n) for n in numels], count)]
@@ -625,7 +663,7 @@ def test_shutdown_undoes_everything_it_changed():
     ],
 )
 def test_auto_interval_keeps_syncs_to_a_tenth_of_the_time(sync_s, step_s, expected):
-    from trainaccel.comm.diloco import interval_for
+    from trainaccel.comm.outer_sync import interval_for
 
     assert interval_for(sync_s, step_s) == expected
     if 1 < expected < 500:

@@ -8,6 +8,7 @@ from trainaccel.comm.diloco import DiLoCo, sync_replicas
 from trainaccel.comm.fsdp import register_fsdp
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.local_steps import LocalSteps
+from trainaccel.comm.outer_sync import OuterSync
 from trainaccel.comm.topology import Topology, discover
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "ErrorFeedback",
     "LocalSteps",
     "NoCompression",
+    "OuterSync",
     "RandomK",
     "Topology",
     "TopK",

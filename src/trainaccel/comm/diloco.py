@@ -1,5 +1,6 @@
-"""Low-communication training (DiLoCo): workers step alone; every `sync_every` steps an outer optimizer applies
-their averaged parameter change.
+"""Low-communication training (DiLoCo) applied to a model and the script's own loop: which steps are inner steps,
+what a look sees, DDP's gradient exchange switched off. The algorithm itself (anchors, outer steps, fragments,
+codecs, overlap) is `OuterSync` (comm/outer_sync.py).
 
 Zero-code with `sync_every` (`trainaccel run --sync-every H`): every DDP model built after `init()` stops
 exchanging gradients, and the script's own optimizers become the inner one: an inner step ends once every optimizer
@@ -16,20 +17,12 @@ rank, so looks may come on some ranks only (rank 0 saving, evaluating alone), in
 mode runs on it (the live replica is put back after); `.eval()` itself changes nothing. A forward with gradients off
 in training mode (a GAN's samples, a rollout) runs on the live replica. A copy of the module (an EMA's deepcopy,
 pickle) carries no hook that acts. `sync_replicas(model)`, on every rank, averages the live replicas now.
-
-Streaming (`sync_fragments`, `sync_overlap`): the parameters in fragments synced at staggered steps, each exchange
-running on the communication thread behind the next steps of training; its result is applied `sync_overlap` steps
-later, with the steps taken meanwhile kept on top.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
-import math
 import sys
-import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -41,22 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.comm import failfast
-from trainaccel.comm.codecs import ErrorFeedback, get_codec
-from trainaccel.comm.exchange import start_exchange
 from trainaccel.comm.exit_guard import track
-from trainaccel.comm.hierarchical import HierarchicalReduce
-from trainaccel.comm.scheduler import comm_thread, engine_group
-from trainaccel.comm.topology import discover, hierarchy_for, node_group
+from trainaccel.comm.outer_sync import OuterSync, resolve
+from trainaccel.comm.topology import discover, node_group
 from trainaccel.config import Config
-from trainaccel.context import current_config, info_once, warn_once
+from trainaccel.context import info_once, warn_once
 from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
 
-log = logging.getLogger("trainaccel")
-
-FORMAT = 2  # 1: before fragments (one of everything); still read
-# sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
-# (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
-AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
 # What the one-time warning says each scope was measured to cost (docs/BENCHMARKS.md: 300 steps, AdamW, 2 nodes x 2).
 _MEASURED = {
     "node": "each node's replica steps on its own workers' gradients between syncs. Measured on a short run (300 "
@@ -75,59 +59,14 @@ _real_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.Wea
 _built: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
-class _Fragment:
-    """A share of the parameters with its own anchors, outer optimizer and place in the schedule."""
-
-    __slots__ = {
-        "index": "position among the fragments: its error-feedback key and its step within each round",
-        "params": "its parameters (a sharded one's own shard): a contiguous run of the model's, about 1/F of them",
-        "buffers": "floating-point buffers averaged with its syncs (the last fragment holds them all)",
-        "anchors": "float32 parameters after its last regular sync (None until the first inner step)",
-        "outer": "torch.optim.SGD over the anchors (None for average)",
-        "next_sync": "`steps` at which its next regular sync starts",
-        "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
-    }
-
-    def __init__(self, index: int, params: list[torch.Tensor], buffers: list[torch.Tensor]):
-        self.index, self.params, self.buffers = index, params, buffers
-        self.anchors: list[torch.Tensor] | None = None
-        self.outer: torch.optim.Optimizer | None = None
-        self.next_sync = 0
-        self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
-
-    @property
-    def key(self) -> str:
-        return f"diloco/{self.index}"
-
-
 class DiLoCo:
     """Inner optimizer steps on each worker; every `sync_every` of them, the outer step on the averaged change."""
 
     __slots__ = {
         "index": "creation order in this process: names this model in the store on every rank",
-        "sync_every": "inner steps between syncs as configured: an integer, or auto",
-        "interval": "inner steps between a fragment's syncs now (auto: chosen from the measured sync and step times)",
-        "warmup": "first inner steps with DDP's own gradient exchange still on (sync_warmup): local steps begin after",
-        "overlap": "inner steps an exchange runs behind training before its result is applied (sync_overlap)",
-        "outer_optimizer": "nesterov, sgd or average",
-        "scope": "node (a node's workers average gradients every step: one replica per node) or rank (one each)",
+        "outer": "the OuterSync doing the algorithm: anchors, outer optimizers, fragments, schedule, step count",
         "group": "the process group replicas are averaged over",
-        "steps": "inner steps so far (skipped GradScaler steps count: every rank counts alike)",
-        "synced_at": "`steps` when the replicas were last made equal (a sync of the whole model, or a look)",
-        "syncs": "regular syncs (outer steps of a fragment) so far",
-        "bytes_sent": "bytes this rank has put into syncs' allreduces",
-        "nan_check": "off, warn or raise: each sync's averaged change checked for NaN/Inf (no gradient is exchanged)",
-        "_names": "parameter names by id, for nan_check's message (empty when given parameters)",
         "_module": "the module whose parameters are trained (a DDP model's module); None when given parameters",
-        "_params": "its trainable parameters, deduplicated",
-        "_fragments": "the parameters split for staggered syncs (one fragment without sync_fragments)",
-        "_codec": "the outer_compression codec of the parameter change",
-        "_feedback": "its error feedback (lossy codecs), or None",
-        "_hierarchy": "the HierarchicalReduce the change goes through (multi-node, hierarchical), or None",
-        "_engine_group": "the engine's own copy of `group` for the flat exchange",
-        "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), seconds in syncs]",
-        "_measured": "auto: the future of the slowest rank's (sync, step) seconds, read at the next round's end",
-        "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
         "_given": "whether the optimizers were given (their steps alone count) rather than found holding the model",
         "_holders": "the optimizers whose steps make one inner step: the given ones, or those seen stepping the model",
         "_known": "whether `_holders` is complete: given, or learned when the first inner step ended",
@@ -136,8 +75,6 @@ class DiLoCo:
         "_holding": "optimizer -> (parameter groups seen, whether it holds a parameter of the model), a cache",
         "_undo": "what detach() undoes: hooks, the module's train override, DDP's switched-off exchange",
         "_ddp": "the DDP model whose exchange is switched off once the warm-up is over (None: not DDP, or done)",
-        "_live_is_synced": "the live replica is the synced model (right after a whole-model sync): looks need no swap",
-        "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): what looks see",
         "_innermost": "the module whose mode is the model's (Lightning switches its LightningModule, inside DDP's)",
         "_in_node": "under node scope, the state of the DDP hook that averages gradients (None under rank scope)",
         "__weakref__": "held weakly by process-wide tables",
@@ -164,79 +101,51 @@ class DiLoCo:
         given["outer_lr"] = outer_lr
         given["outer_momentum"], given["sync_warmup"] = outer_momentum, sync_warmup
         given["sync_fragments"], given["sync_overlap"] = sync_fragments, sync_overlap
-        config = _config(config, {k: v for k, v in given.items() if v is not None})
+        config = resolve(config, {k: v for k, v in given.items() if v is not None})
         if config.sync_every != "auto" and config.sync_every < 1:
             raise ValueError(
                 f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1, or auto, for DiLoCo"
             )
         if not dist.is_initialized():
             raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
-        self.index, _made = _made, _made + 1
-        self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
-        self.warmup, self.overlap = config.sync_warmup, config.sync_overlap
-        self.interval = self.sync_every  # auto: set once the fragments exist
-        if self.warmup and not isinstance(model, DistributedDataParallel):
+        if config.sync_warmup and not isinstance(model, DistributedDataParallel):
             raise ValueError(
-                f"sync_warmup={self.warmup} needs a DDP model: its gradient exchange runs the warm-up steps"
+                f"sync_warmup={config.sync_warmup} needs a DDP model: its gradient exchange runs the warm-up steps"
             )
-        self._timing: list[Any] = [None, [], 0.0]
-        self._measured: torch.futures.Future | None = None
         if isinstance(model, DistributedDataParallel):
             process_group = process_group or model.process_group
         self.group = process_group or dist.group.WORLD
-        self.scope = self._scope(config.sync_scope, model)
-        if self.scope == "rank" and isinstance(model, DistributedDataParallel) and model.static_graph:
+        scope = self._scope(config.sync_scope, model)
+        if scope == "rank" and isinstance(model, DistributedDataParallel) and model.static_graph:
             raise ValueError(
                 "DDP's static_graph=True cannot train under sync_every with sync_scope=rank: its first iteration "
                 "needs the gradient exchange that sync_every switches off (torch has no no_sync() there); build the "
                 "model without static_graph, which has nothing to optimise without the exchange"
             )
-        self.steps = self.synced_at = self.syncs = self.bytes_sent = 0
-        self.nan_check, self._names = config.nan_check, {}
+        names: dict[int, str] = {}
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
-            self._names = {id(p): name for name, p in self._module.named_parameters()}
-            self._params = [p for p in dict.fromkeys(self._module.parameters()) if p.requires_grad]
+            names = {id(p): name for name, p in self._module.named_parameters()}
+            params = list(self._module.parameters())
             buffers = [b for b in self._module.buffers() if b.is_floating_point()]
             self._innermost = wrapper_chain(self._module)[-1]
         else:  # parameters (the Horovod API's optimizer): no module to watch for looks, no buffers
-            self._module, self._innermost, buffers = None, None, []
-            self._params = [p for p in dict.fromkeys(model) if p.requires_grad]
-        if not self._params:
-            raise ValueError("DiLoCo: the model has no trainable parameters")
-        if config.sync_fragments > len(self._params):
-            raise ValueError(
-                f"invalid sync_fragments={config.sync_fragments}; accepted: at most the model's {len(self._params)} "
-                "trainable parameter tensors (a fragment holds whole tensors)"
-            )
-        self._fragments = [
-            _Fragment(i, [_local(p) for p in params], buffers if i == config.sync_fragments - 1 else [])
-            for i, params in enumerate(split_fragments(self._params, config.sync_fragments))
-        ]
-        if self.sync_every == "auto":
-            self.interval = max(AUTO_FIRST, self._least_interval())
-        self._schedule(self.warmup)
-        self._outer_settings = (config.outer_lr, config.outer_momentum)
+            self._module, self._innermost, params, buffers = None, None, list(model), []
+        self.outer = OuterSync(params, buffers, group=self.group, scope=scope, names=names, config=config)
+        self.index, _made = _made, _made + 1
         given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
         self._given, self._holders, self._known = bool(given), weakref.WeakSet(given), bool(given)
         self._stepped: set[int] = set()
         self._backward_seen = False
         self._holding: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = weakref.WeakKeyDictionary()
-        self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
-        self._feedback = ErrorFeedback() if self._codec.lossy else None
-        self._engine_group = engine_group(self.group)
         self._undo: list[Any] = []
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
-        self._in_node, self._live_is_synced, self._synced_buffers = None, False, []
-        if self.scope == "node":
-            # Each node's workers hold one replica: its change crosses nodes once, a shard from each worker.
-            self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback)
+        self._in_node = None
+        if scope == "node":
             self._in_node = _InNode(self.group)  # every worker during the warm-up, as plain DDP
             node_group()  # built now, on every rank (collective): the warm-up's end switches to it
             self._average_in_node(model, config.hierarchical)
-        else:
-            self._hierarchy = self._build_hierarchy(config.hierarchical)
-        if self._ddp is not None and not self.warmup:
+        if self._ddp is not None and not self.outer.warmup:
             self._switch_off_exchange()
         if self._module is not None:
             self._watch_looks()
@@ -244,17 +153,18 @@ class DiLoCo:
         _install()
         _live[self.index] = self
         warn_once(
-            f"sync_every={self.sync_every} changes what is trained, not only how fast: {_MEASURED[self.scope]}; "
+            f"sync_every={self.sync_every} changes what is trained, not only how fast: {_MEASURED[scope]}; "
             "measure it on your task (trainaccel bench quality) before relying on it"
         )
         streaming = ""
-        if len(self._fragments) > 1 or self.overlap:
-            streaming = f" in {len(self._fragments)} staggered fragment(s), applied {self.overlap} step(s) later"
+        fragments, overlap = len(self.outer.fragments), self.outer.overlap
+        if fragments > 1 or overlap:
+            streaming = f" in {fragments} staggered fragment(s), applied {overlap} step(s) later"
         info_once(
             f"sync_every={self.sync_every}: gradients stay on each "
-            f"{'node (averaged over its workers every step)' if self.scope == 'node' else 'worker'}; every "
+            f"{'node (averaged over its workers every step)' if scope == 'node' else 'worker'}; every "
             f"{'few (chosen from measured times)' if self.sync_every == 'auto' else self.sync_every} optimizer steps "
-            f"the replicas' change is averaged ({self.outer_optimizer} outer step){streaming}"
+            f"the replicas' change is averaged ({self.outer.outer_optimizer} outer step){streaming}"
         )
 
     def _scope(self, wanted: str, model: Any) -> str:
@@ -298,32 +208,55 @@ class DiLoCo:
                 f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank), "
                 f"so the figures quoted when it started do not hold; {_MEASURED['rank']}"
             )
-            self.scope, self._in_node = "rank", None
-            self._hierarchy = self._build_hierarchy(hierarchical)
+            self._in_node = None
+            self.outer.use_scope("rank", hierarchical)
             if self._ddp is None:  # past the warm-up: what rank scope switches off
                 _keep_exchange_off(model, self._undo)
 
         handle = model.register_forward_pre_hook(first_forward)
         self._undo.append(handle.remove)
 
-    @property
-    def _started(self) -> bool:
-        """Whether the anchors exist (the first inner step after the warm-up has begun)."""
-        return self._fragments[0].anchors is not None
+    # -- the algorithm's figures -------------------------------------------------------------------------------
 
-    def _least_interval(self) -> int:
-        """auto's lower bound: a step of its own per fragment, and each sync applied before the next one starts."""
-        return max(len(self._fragments), self.overlap, 1)
+    @property
+    def sync_every(self) -> int | str:
+        """Inner steps between syncs as configured: an integer, or auto."""
+        return self.outer.sync_every
+
+    @property
+    def scope(self) -> str:
+        """node (a node's workers average gradients every step: one replica per node) or rank (one each)."""
+        return self.outer.scope
+
+    @property
+    def steps(self) -> int:
+        """Inner steps so far (skipped steps count: every rank counts alike)."""
+        return self.outer.steps
+
+    @property
+    def syncs(self) -> int:
+        """Regular syncs (outer steps of a fragment) so far."""
+        return self.outer.syncs
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has put into syncs' allreduces."""
+        return self.outer.bytes_sent
+
+    @property
+    def interval(self) -> int | str:
+        """Inner steps between a fragment's syncs now (auto: chosen from the measured sync and step times)."""
+        return self.outer.interval
 
     @property
     def next_sync(self) -> int:
         """`steps` at which the next regular sync (of any fragment) starts."""
-        return min(f.next_sync for f in self._fragments)
+        return self.outer.next_sync
 
     @property
     def fragments(self) -> list[list[torch.Tensor]]:
         """The parameters of each fragment, in sync order."""
-        return [list(f.params) for f in self._fragments]
+        return self.outer.fragments
 
     # -- what the training loop drives -------------------------------------------------------------------------
 
@@ -337,7 +270,7 @@ class DiLoCo:
         """Whether `optimizer` holds a parameter of the model."""
         groups, holds = self._holding.get(optimizer, (-1, False))
         if groups != len(optimizer.param_groups):  # new, or add_param_group() since
-            ids = {id(p) for p in self._params}
+            ids = {id(p) for p in self.outer.params}
             holds = any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
             self._holding[optimizer] = (len(optimizer.param_groups), holds)
         return holds
@@ -353,8 +286,7 @@ class DiLoCo:
                 "one rank, which would see only that rank's gradients between syncs; use its optimizer_class "
                 "directly (each replica keeps its own optimizer state under sync_every)"
             )
-        if not self._started and self.steps >= self.warmup:
-            self._start()
+        self.outer.prepare()
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
@@ -375,7 +307,7 @@ class DiLoCo:
                 )
                 return
         self._stepped.add(id(optimizer))
-        self._live_is_synced = False
+        self.outer.live_is_synced = False
         if self._known or self._module is None:
             expected = list(self._holders)
         else:  # the first inner step: every optimizer built holding the model, and any seen stepping it
@@ -389,230 +321,39 @@ class DiLoCo:
             self._end_step()
 
     def _end_step(self) -> None:
-        """An inner step ended (every optimizer holding the model stepped): count it, start the syncs now due."""
+        """An inner step ended (every optimizer holding the model stepped): the algorithm counts it and starts the
+        syncs now due; at the warm-up's end, DDP's exchange is switched off."""
         self._stepped.clear()
         self._known, self._backward_seen = True, False
-        self.steps += 1
-        if self.steps == self.warmup and self._ddp is not None:
+        self.outer.step()
+        if self.outer.steps == self.outer.warmup and self._ddp is not None:
             self._switch_off_exchange()  # the warm-up's steps were DDP's: from the next step on, local steps
-            self._timing = [None, [], 0.0]  # their times included the exchange: auto measures local steps only
-        now = time.perf_counter()
-        last, recent, _ = self._timing
-        if last is not None:
-            recent.append(now - last)
-            del recent[:-AUTO_WINDOW]
-        if self._started:
-            for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
-                if fragment.pending is not None and fragment.pending[0] <= self.steps:
-                    self._finish(fragment, outer=True)
-            for fragment in self._fragments:
-                if fragment.next_sync == self.steps:
-                    self._begin(fragment, outer=True)
-            if self._fragments[-1].next_sync == self.steps:  # the round's last fragment: the next round
-                self._end_round()
-            took = time.perf_counter() - now
-            self._timing[2] += took
-            now += took  # the next step's time leaves the syncs out
-        self._timing[0] = now
 
-    def _schedule(self, start: int) -> None:
-        """The next round: fragment i syncs (i + 1) * interval / F steps after `start`, the last at `interval`."""
-        count = len(self._fragments)
-        for fragment in self._fragments:
-            fragment.next_sync = start + (fragment.index + 1) * self.interval // count
-
-    def _end_round(self) -> None:
-        if self.sync_every == "auto":
-            self._choose_interval()
-        self._schedule(self.steps)
-
-    def _choose_interval(self) -> None:
-        """auto: the smallest interval whose syncs take at most AUTO_SHARE of the time (slowest rank's figures).
-
-        The slowest rank's times travel on the communication thread behind the syncs in flight, and are read at
-        the end of the next round: every rank decides alike, one round late, without waiting on the exchanges.
-        """
-        _, recent, took = self._timing
-        self._timing[2] = 0.0
-        previous, self._measured = self._measured, None
-        step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
-        measured = torch.tensor([took, step_s], dtype=torch.float64)
-        group = self._engine_group
-
-        def slowest() -> torch.Tensor:
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-            return measured
-
-        self._measured = comm_thread().submit(slowest)
-        if previous is None:
-            return
-        took, step_s = previous.wait().tolist()
-        chosen = max(self._least_interval(), interval_for(took, step_s))
-        if chosen != self.interval:
-            self.interval = chosen
+    def _cleared(self) -> None:
+        """Gradients cleared (zero_grad) after a backward and before any optimizer stepped the model: the script
+        skipped this step (`if not torch.isfinite(norm): continue`). Counted, as a GradScaler's skipped step is:
+        gradients are each replica's own, so replicas skip different steps, and every rank must count alike."""
+        if self._backward_seen and not self._stepped:
             info_once(
-                f"sync_every=auto: a sync every {chosen} steps (a sync takes {took:.3f} s, a step {step_s:.3f} s: "
-                f"{100 * took / max(chosen * step_s + took, 1e-9):.0f}% of the time in syncs)"
+                "sync_every: gradients were cleared without an optimizer step (a skipped step); counted as an inner "
+                "step, so that every rank syncs at the same iteration"
             )
-
-    def _start(self) -> None:
-        """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
-        tensors = [*(p for fragment in self._fragments for p in fragment.params), *self._fragments[-1].buffers]
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-            for tensor, value in zip(tensors, flat.split(_sizes(tensors))):
-                tensor.copy_(value.view_as(tensor))
-        self._make_anchors()
-        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
-        self._live_is_synced = True
-
-    def _make_anchors(self) -> None:
-        lr, momentum = self._outer_settings
-        nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
-        for fragment in self._fragments:
-            fragment.anchors = [p.detach().float().clone() for p in fragment.params]
-            if self.outer_optimizer != "average":
-                fragment.outer = torch.optim.SGD(fragment.anchors, lr=lr, momentum=momentum, nesterov=nesterov)
-
-    def _build_hierarchy(self, hierarchical: str) -> HierarchicalReduce | None:
-        """Full precision inside a node, the codec across nodes: as the per-step exchange's hierarchy decides."""
-        topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce")
-        return HierarchicalReduce(topology, self._codec, self._feedback) if topology is not None else None
-
-    def _begin(self, fragment: _Fragment, outer: bool) -> None:
-        """Start averaging a fragment's change (anchor - parameters) on the communication thread.
-
-        A regular sync with sync_overlap is applied `overlap` steps later; any other finishes here.
-        """
-        world = dist.get_world_size(self.group)
-        node = self.scope == "node"
-        replicas = self._hierarchy.topology.num_nodes if node else world
-        with torch.no_grad():
-            values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
-            # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
-            change = torch.cat([a.reshape(-1) for a in fragment.anchors]).sub_(values).div_(replicas)
-            buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
-        if buffers is not None:
-            buffers.div_(world)
-        hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
-
-        def average() -> tuple[torch.Tensor, torch.Tensor | None, int]:
-            if hierarchy is not None:
-                before = hierarchy.bytes_sent
-                mean = hierarchy.reduce(change, fragment.key, replicated=node)[0]
-                sent = hierarchy.bytes_sent - before
-            else:
-                outcome = start_exchange(codec, feedback, change, fragment.key, group).finish()
-                mean, sent = outcome.result.float(), outcome.sent
-            if buffers is not None:
-                dist.all_reduce(buffers, group=group)
-                sent += buffers.numel() * buffers.element_size()
-            return mean, buffers, sent
-
-        overlapped = outer and self.overlap > 0
-        snapshot = None  # what the steps taken while the exchange runs are measured from
-        if overlapped:
-            snapshot = torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
-        fragment.pending = (self.steps + (self.overlap if outer else 0), comm_thread().submit(average), snapshot)
-        if not overlapped:
-            self._finish(fragment, outer)
-
-    def _finish(self, fragment: _Fragment, outer: bool) -> None:
-        """Apply a fragment's averaged change: the outer step (`outer`) or the replicas' mean (a look).
-
-        Steps taken while the exchange ran (sync_overlap) stay on top: what they changed since it began is added.
-        """
-        _, future, snapshot = fragment.pending
-        fragment.pending = None
-        mean, buffers, sent = future.wait()
-        self.bytes_sent += sent
-        if self.nan_check != "off":
-            self._check_finite(fragment, mean, buffers)
-        with torch.no_grad():
-            means = mean.split([a.numel() for a in fragment.anchors])
-            if outer and fragment.outer is not None:
-                for anchor, change in zip(fragment.anchors, means):
-                    anchor.grad = change.view_as(anchor)  # the outer "gradient"
-                fragment.outer.step()
-                for anchor in fragment.anchors:
-                    anchor.grad = None
-                targets = fragment.anchors
-            elif outer:  # average: the mean of the replicas is the new anchor
-                for anchor, change in zip(fragment.anchors, means):
-                    anchor.sub_(change.view_as(anchor))
-                targets = fragment.anchors
-            else:  # a look: the replicas' mean, the anchor (and the outer optimizer) untouched
-                targets = [a - change.view_as(a) for a, change in zip(fragment.anchors, means)]
-            tensors = [*fragment.params, *(fragment.buffers if buffers is not None else [])]
-            values = [*targets, *(buffers.split(_sizes(fragment.buffers)) if buffers is not None else [])]
-            then = snapshot.split(_sizes(tensors)) if snapshot is not None else [None] * len(tensors)
-            for tensor, value, before in zip(tensors, values, then):
-                if before is None:
-                    tensor.copy_(value.view_as(tensor))
-                else:
-                    tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value.view_as(tensor)))
-        if outer and buffers is not None:
-            self._synced_buffers = [b.clone() for b in buffers.split(_sizes(fragment.buffers))]
-        if outer:
-            self.syncs += 1
-            if len(self._fragments) == 1 and snapshot is None:
-                self.synced_at = self.steps
-                self._live_is_synced = True
-
-    def _check_finite(self, fragment: _Fragment, mean: torch.Tensor, buffers: torch.Tensor | None) -> None:
-        """nan_check: a non-finite averaged change (the same bits on every rank, so every rank decides alike)."""
-        if bool(mean.isfinite().all()) and (buffers is None or bool(buffers.isfinite().all())):
-            return
-        bad = [
-            self._names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
-            for p, part in zip(fragment.params, mean.split(_sizes(fragment.params)))
-            if not bool(part.isfinite().all())
-        ]
-        if buffers is not None and not bool(buffers.isfinite().all()):
-            bad.append("floating-point buffers")
-        message = (
-            f"non-finite parameter change averaged by sync_every={self.sync_every} at inner step {self.steps} in: "
-            f"{', '.join(bad)} (nan_check={self.nan_check}): a replica stepped on non-finite gradients since the "
-            "last sync"
-        )
-        if self.nan_check == "raise":
-            raise FloatingPointError(message)
-        log.warning(message)
-
-    def _drain(self) -> None:
-        """Apply every exchange in flight now (before a look, a checkpoint or the end)."""
-        for fragment in sorted(
-            (f for f in self._fragments if f.pending is not None), key=lambda f: (f.pending[0], f.index)
-        ):
-            self._finish(fragment, outer=True)
+            self._end_step()
 
     # -- looks -------------------------------------------------------------------------------------------------
 
     def sync(self) -> None:
         """Average the replicas now, into every rank's live parameters (a collective: call it on every rank)."""
-        if not self._started or not dist.is_initialized():
-            return  # nothing to average, or no group left to average over (after destroy_process_group())
-        self._drain()
-        if self.steps == self.synced_at and not self._stepped:
-            return
-        for fragment in self._fragments:  # each fragment's replicas averaged in turn
-            self._begin(fragment, outer=False)
-        self.synced_at = self.steps
-        self._live_is_synced = True  # until the next training forward, looks see this average
+        self.outer.sync(mid_step=bool(self._stepped))
 
     def synced(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(live tensor, its value in the synced model) for each parameter and floating-point buffer: what a look
-        sees. The synced model is each fragment's anchors (its last regular sync, or the start) and the buffers
-        averaged with the last of them: the same bits on every rank, known without communication."""
-        if not self._started:
-            return []  # the warm-up, or no step yet: the replicas are DDP's, equal, and the live model is it
-        pairs = [(p, a) for f in self._fragments for p, a in zip(f.params, f.anchors)]
-        return pairs + list(zip(self._fragments[-1].buffers, self._synced_buffers))
+        sees, the same bits on every rank, known without communication."""
+        return self.outer.synced()
 
     def _shows_live(self) -> bool:
         """Whether the live replica is the synced model now (right after a sync of the whole model)."""
-        return not self._started or self._live_is_synced
+        return not self.outer.started or self.outer.live_is_synced
 
     def _show_synced(self) -> list[torch.Tensor] | None:
         """Before an evaluation forward: the synced model into the live tensors; returns what to put back."""
@@ -643,7 +384,7 @@ class DiLoCo:
         def before_forward(module: torch.nn.Module, args: tuple) -> None:
             if torch.is_grad_enabled():
                 diloco._end_pending()  # an optimizer that stepped since the last inner step did so in the one now over
-                diloco._live_is_synced = False  # this forward may change buffers (BatchNorm's statistics)
+                diloco.outer.live_is_synced = False  # this forward may change buffers (BatchNorm's statistics)
             elif diloco._in_eval_mode():
                 shown.append(diloco._show_synced())
             else:
@@ -667,26 +408,14 @@ class DiLoCo:
 
     def _watch_backward(self) -> None:
         seen = _BackwardSeen(self)
-        self._undo += [p.register_post_accumulate_grad_hook(seen).remove for p in self._params if not _is_dtensor(p)]
-
-    def _cleared(self) -> None:
-        """Gradients cleared (zero_grad) after a backward and before any optimizer stepped the model: the script
-        skipped this step (`if not torch.isfinite(norm): continue`). Counted, as a GradScaler's skipped step is:
-        gradients are each replica's own, so replicas skip different steps, and every rank must count alike."""
-        if self._backward_seen and not self._stepped:
-            info_once(
-                "sync_every: gradients were cleared without an optimizer step (a skipped step); counted as an inner "
-                "step, so that every rank syncs at the same iteration"
-            )
-            self._end_step()
+        params = [p for p in self.outer.params if not _is_dtensor(p)]
+        self._undo += [p.register_post_accumulate_grad_hook(seen).remove for p in params]
 
     def _synced_state_dict(self, module: torch.nn.Module, destination: dict, prefix: str) -> None:
         """state_dict() holds the synced model, on any rank and at any step (no rank waits for another)."""
         if self._shows_live():
             return
-        anchors = [a for fragment in self._fragments for a in fragment.anchors]  # in the order of self._params
-        values = dict(zip(map(id, self._params), anchors))
-        values.update(zip(map(id, self._fragments[-1].buffers), self._synced_buffers))
+        values = self.outer.synced_values()
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
         for name, tensor in named:
             key, value = prefix + name, values.get(id(tensor))
@@ -699,6 +428,8 @@ class DiLoCo:
                 )
                 return
             destination[key] = _as_saved(tensor, value)
+
+    # -- DDP's own exchange --------------------------------------------------------------------------------------
 
     def _switch_off_exchange(self) -> None:
         """No gradient allreduce in backward (node scope: within the node only) and no buffer broadcast in forward:
@@ -736,7 +467,7 @@ class DiLoCo:
     def detach(self) -> None:
         """Stop: hooks removed, DDP's exchange back as it was (`shutdown()`); the state stays readable."""
         if dist.is_initialized():
-            self._drain()  # every rank started these exchanges: their results are not dropped
+            self.outer.drain()  # every rank started these exchanges: their results are not dropped
         while self._undo:
             self._undo.pop()()
         _live.pop(self.index, None)
@@ -744,121 +475,16 @@ class DiLoCo:
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The anchors, the outer optimizers and the schedule, as of the last applied syncs: with the model's synced
-        state (what its state_dict() holds), where every replica resumes. A sync still in flight is left to run."""
-        measured = self._measured.wait().tolist() if self._measured is not None else None
-        fragments = self._fragments
-        return {
-            "format": FORMAT,
-            "sync_every": self.sync_every,
-            "sync_scope": self.scope,
-            "outer_optimizer": self.outer_optimizer,
-            "sync_fragments": len(fragments),
-            "sync_overlap": self.overlap,
-            "warmup": self.warmup,
-            "steps": self.steps,
-            "interval": self.interval,
-            "next_sync": [f.next_sync for f in fragments],
-            "synced_at": self.synced_at,
-            "syncs": self.syncs,
-            "anchors": [a for f in fragments for a in f.anchors] if self._started else None,
-            "outer": [f.outer.state_dict() if f.outer is not None else None for f in fragments],
-            "outer_compression": self._codec.name,
-            # What a lossy codec has not sent yet, and fp16's dynamic scales: part of the trajectory.
-            "residuals": dict(self._feedback.residuals) if self._feedback is not None else {},
-            "scales": dict(getattr(self._codec, "scales", None) or {}),
-            "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
-        }
+        """The algorithm's state (`OuterSync.state_dict()`): with the model's synced state (what its state_dict()
+        holds), where every replica resumes."""
+        return self.outer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
         """Resume from `state_dict()` (before the next inner step); `local`: the state was saved by this rank, so its
         residuals (what a lossy outer codec has not sent yet, this rank's own) apply here."""
-        state = _upgrade(state)
-        mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer, "warmup": self.warmup}
-        mine["sync_scope"] = self.scope
-        mine.update(sync_fragments=len(self._fragments), sync_overlap=self.overlap)
-        mine["outer_compression"] = self._codec.name
-        for name, value in mine.items():
-            if state[name] != value:
-                name = "sync_warmup" if name == "warmup" else name
-                raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
-        if state["anchors"] is not None and len(state["anchors"]) != len(self._params):
-            raise ValueError(
-                f"the checkpoint holds {len(state['anchors'])} anchors, this model has {len(self._params)} parameters"
-            )
-        for fragment in self._fragments:  # every rank started these exchanges: waited for, their results dropped
-            if fragment.pending is not None:
-                fragment.pending[1].wait()
-                fragment.pending = None
-        self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
-        self.interval = state["interval"]
-        for fragment, next_sync in zip(self._fragments, state["next_sync"]):
-            fragment.next_sync = next_sync
-        recent, took, measured = state["timing"]
-        self._timing = [None, list(recent), took]
-        self._measured = None
-        if measured is not None:
-            self._measured = torch.futures.Future()
-            self._measured.set_result(torch.tensor(measured, dtype=torch.float64))
-        if self.steps >= self.warmup and self._ddp is not None:
+        self.outer.load_state_dict(state, local)
+        if self.outer.steps >= self.outer.warmup and self._ddp is not None:
             self._switch_off_exchange()  # resumed after the warm-up
-        if state["anchors"] is None:
-            for fragment in self._fragments:
-                fragment.anchors = fragment.outer = None
-            return
-        self._make_anchors()
-        saved = iter(state["anchors"])
-        with torch.no_grad():
-            for fragment, outer in zip(self._fragments, state["outer"]):
-                for anchor in fragment.anchors:
-                    anchor.copy_(next(saved))
-                if fragment.outer is not None and outer is not None:
-                    fragment.outer.load_state_dict(outer)
-        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]  # loaded with them
-        self._live_is_synced = False
-        if self._feedback is not None and local:
-            device = self._params[0].device  # loaded with map_location="cpu", say: they join this rank's tensors
-            self._feedback.residuals = {key: value.to(device, copy=True) for key, value in state["residuals"].items()}
-        if getattr(self._codec, "scales", None) is not None:
-            self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
-
-
-def split_fragments(params: list[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
-    """`params` in `count` contiguous runs of about equal elements, none empty."""
-    total = sum(p.numel() for p in params)
-    runs: list[list[torch.Tensor]] = [[] for _ in range(count)]
-    run, seen = 0, 0
-    for i, p in enumerate(params):
-        left = len(params) - i  # tensors not placed yet, this one included
-        past_share = seen + p.numel() / 2 > total * (run + 1) / count  # most of this tensor beyond the run's share
-        if runs[run] and run < count - 1 and (past_share or left <= count - run - 1):
-            run += 1
-        runs[run].append(p)
-        seen += p.numel()
-    return runs
-
-
-def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
-    """A state of an older format in this format's terms, or a one-line error."""
-    if state.get("format") == FORMAT:
-        return state if "sync_scope" in state else {**state, "sync_scope": "rank"}  # saved before sync_scope
-    if state.get("format") != 1:
-        raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads formats 1 and {FORMAT}")
-    old = dict(state)  # format 1: one fragment, no overlap, auto's measurements not kept
-    old.update(format=FORMAT, sync_fragments=1, sync_overlap=0, next_sync=[state["next_sync"]], outer=[state["outer"]])
-    old["warmup"], old["sync_scope"] = state.get("warmup", 0), "rank"
-    old["residuals"] = {("diloco/0" if k == "diloco" else k): v for k, v in state["residuals"].items()}
-    old["timing"] = [[], 0.0, None]
-    return old
-
-
-def interval_for(sync_s: float, step_s: float, share: float | None = None) -> int:
-    """The smallest number of inner steps between syncs for which syncs take at most `share` of the time."""
-    share = AUTO_SHARE if share is None else share
-    if step_s <= 0:
-        return AUTO_MAX
-    needed = sync_s * (1 - share) / (share * step_s)  # sync / (interval * step + sync) <= share
-    return int(min(AUTO_MAX, max(1, math.ceil(needed - 1e-9))))
 
 
 def sync_replicas(model: torch.nn.Module) -> None:
@@ -873,7 +499,7 @@ def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
     again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper."""
     diloco = next((d for d in _live.values() if d._module is model.module), None)
     trainable = [p for p in dict.fromkeys(model.module.parameters()) if p.requires_grad]
-    if diloco is not None and [id(p) for p in trainable] != [id(p) for p in diloco._params]:
+    if diloco is not None and [id(p) for p in trainable] != [id(p) for p in diloco.outer.params]:
         # Layers frozen or unfrozen since: the replicas averaged (every rank builds the new DDP model), then syncs
         # anew over the parameters trainable now, from that common model.
         info_once(
@@ -962,19 +588,6 @@ def _is_zero_redundancy(optimizer: torch.optim.Optimizer) -> bool:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
-def _config(config: Config | None, given: dict[str, Any]) -> Config:
-    base = config or current_config()
-    if base is None:
-        return Config.resolve(**given)
-    return Config.resolve(env={}, **{**dataclasses.asdict(base), **given}) if given else base
-
-
-def _local(parameter: torch.Tensor) -> torch.Tensor:
-    """What a sync averages of a parameter: itself, or a sharded one's own shard (a view of it; the replicas in
-    the group hold the same shard of the same parameter)."""
-    return parameter.detach().to_local() if hasattr(parameter, "to_local") else parameter
-
-
 def _as_saved(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """`value` (a float32 copy of `tensor`, or of a sharded one's own shard) as `tensor`'s state-dict entry."""
     if hasattr(tensor, "to_local"):  # a DTensor (shard=...): the same placement, this shard's synced values
@@ -985,10 +598,6 @@ def _as_saved(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride(), run_check=False
         )
     return value.to(tensor.dtype, copy=True).view_as(tensor)
-
-
-def _sizes(tensors: list[torch.Tensor]) -> list[int]:
-    return [t.numel() for t in tensors]
 
 
 def _restore_attribute(owner: Any, name: str, value: Any) -> None:
@@ -1098,7 +707,7 @@ def _draining_first(destroy: Any) -> Any:
     def destroy_process_group(group: Any = None) -> None:
         if group is None or group is dist.group.WORLD:
             for _, diloco in sorted(_live.items()):
-                diloco._drain()  # syncs in flight, which every rank started: applied before their group goes
+                diloco.outer.drain()  # syncs in flight, which every rank started: applied before their group goes
         return destroy(group)
 
     return destroy_process_group

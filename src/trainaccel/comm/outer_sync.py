@@ -1,0 +1,560 @@
+"""DiLoCo's algorithm alone: every `sync_every` inner steps, the replicas' averaged parameter change is applied by an
+outer optimizer. It knows parameters, a group and a step count; nothing of modules, optimizers or looks.
+
+    outer = OuterSync(model.parameters(), sync_every=50)   # on every rank of the group, the same parameters
+    for batch in data:
+        loss_fn(model(batch)).backward()
+        outer.prepare()       # before the first inner step: rank 0's model everywhere, the anchors taken
+        optimizer.step()
+        optimizer.zero_grad()
+        outer.step()          # an inner step ended: the syncs now due start (and finish, without sync_overlap)
+
+`trainaccel.comm.DiLoCo` applies it to a model and the script's own loop (which steps are inner steps, what a
+look sees, DDP's exchange switched off); use this class where a loop of your own decides those.
+
+Streaming (`sync_fragments`, `sync_overlap`): the parameters in fragments synced at staggered steps, each exchange
+running on the communication thread behind the next steps of training; its result is applied `sync_overlap` steps
+later, with the steps taken meanwhile kept on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainaccel.comm.codecs import ErrorFeedback, get_codec
+from trainaccel.comm.exchange import start_exchange
+from trainaccel.comm.hierarchical import HierarchicalReduce
+from trainaccel.comm.scheduler import comm_thread, engine_group
+from trainaccel.comm.topology import discover, hierarchy_for
+from trainaccel.config import Config
+from trainaccel.context import current_config, info_once
+
+log = logging.getLogger("trainaccel")
+
+FORMAT = 2  # 1: before fragments (one of everything); still read
+# sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
+# (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
+AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
+SCOPES = ("rank", "node")
+
+
+class _Fragment:
+    """A share of the parameters with its own anchors, outer optimizer and place in the schedule."""
+
+    __slots__ = {
+        "index": "position among the fragments: its error-feedback key and its step within each round",
+        "params": "its parameters (a sharded one's own shard): a contiguous run of the model's, about 1/F of them",
+        "buffers": "floating-point buffers averaged with its syncs (the last fragment holds them all)",
+        "anchors": "float32 parameters after its last regular sync (None until the first inner step)",
+        "outer": "torch.optim.SGD over the anchors (None for average)",
+        "next_sync": "`steps` at which its next regular sync starts",
+        "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
+    }
+
+    def __init__(self, index: int, params: list[torch.Tensor], buffers: list[torch.Tensor]):
+        self.index, self.params, self.buffers = index, params, buffers
+        self.anchors: list[torch.Tensor] | None = None
+        self.outer: torch.optim.Optimizer | None = None
+        self.next_sync = 0
+        self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"diloco/{self.index}"
+
+
+class OuterSync:
+    """Anchors, outer optimizers, fragments and their schedule over one group of replicas; `step()` drives it."""
+
+    __slots__ = {
+        "sync_every": "inner steps between syncs as configured: an integer, or auto",
+        "interval": "inner steps between a fragment's syncs now (auto: chosen from the measured sync and step times)",
+        "warmup": "first inner steps before the anchors are taken (sync_warmup): the caller keeps them exchanging",
+        "overlap": "inner steps an exchange runs behind training before its result is applied (sync_overlap)",
+        "outer_optimizer": "nesterov, sgd or average",
+        "scope": "node (one replica per node, each node's workers holding the same parameters) or rank (one each)",
+        "group": "the process group replicas are averaged over",
+        "steps": "inner steps so far",
+        "synced_at": "`steps` when the replicas were last made equal (a sync of the whole model, or sync())",
+        "syncs": "regular syncs (outer steps of a fragment) so far",
+        "bytes_sent": "bytes this rank has put into syncs' allreduces",
+        "nan_check": "off, warn or raise: each sync's averaged change checked for NaN/Inf",
+        "live_is_synced": "the live parameters are the synced model (right after a whole-model sync); the caller "
+        "clears it when they change",
+        "params": "the parameters synced, deduplicated, in the order given",
+        "_names": "parameter names by id, for nan_check's message (may be empty)",
+        "_fragments": "the parameters split for staggered syncs (one fragment without sync_fragments)",
+        "_codec": "the outer_compression codec of the parameter change",
+        "_feedback": "its error feedback (lossy codecs), or None",
+        "_hierarchy": "the HierarchicalReduce the change goes through (node scope, or multi-node hierarchical)",
+        "_engine_group": "the engine's own copy of `group` for the flat exchange",
+        "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), seconds in syncs]",
+        "_measured": "auto: the future of the slowest rank's (sync, step) seconds, read at the next round's end",
+        "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
+        "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
+    }
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor] = (),
+        *,
+        group: Any = None,
+        scope: str = "rank",
+        names: dict[int, str] | None = None,
+        config: Config | None = None,
+        **options: Any,
+    ):
+        """`params`: the trainable parameters (a sharded one: its local shard); `buffers`: floating-point buffers
+        averaged at each sync; `options`: Config's sync_every, outer_optimizer, outer_lr, outer_momentum, sync_warmup,
+        sync_fragments, sync_overlap, outer_compression, nan_check, over `config` (or init()'s, or the defaults)."""
+        config = resolve(config, {k: v for k, v in options.items() if v is not None})
+        if config.sync_every != "auto" and config.sync_every < 1:
+            raise ValueError(
+                f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1, or auto, for DiLoCo"
+            )
+        if scope not in SCOPES:
+            raise ValueError(f"invalid scope={scope!r}; accepted: {', '.join(SCOPES)}")
+        if not dist.is_initialized():
+            raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
+        self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
+        self.warmup, self.overlap = config.sync_warmup, config.sync_overlap
+        self.group, self.scope = group or dist.group.WORLD, scope
+        self.steps = self.synced_at = self.syncs = self.bytes_sent = 0
+        self.nan_check, self._names = config.nan_check, dict(names or {})
+        self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
+        if not self.params:
+            raise ValueError("DiLoCo: the model has no trainable parameters")
+        if config.sync_fragments > len(self.params):
+            raise ValueError(
+                f"invalid sync_fragments={config.sync_fragments}; accepted: at most the model's {len(self.params)} "
+                "trainable parameter tensors (a fragment holds whole tensors)"
+            )
+        buffers = list(buffers)
+        self._fragments = [
+            _Fragment(i, [local_part(p) for p in params], buffers if i == config.sync_fragments - 1 else [])
+            for i, params in enumerate(split_fragments(self.params, config.sync_fragments))
+        ]
+        self.interval = self.sync_every
+        if self.sync_every == "auto":
+            self.interval = max(AUTO_FIRST, self._least_interval())
+        self._schedule(self.warmup)
+        self._timing: list[Any] = [None, [], 0.0]
+        self._measured: torch.futures.Future | None = None
+        self._outer_settings = (config.outer_lr, config.outer_momentum)
+        self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
+        self._feedback = ErrorFeedback() if self._codec.lossy else None
+        self._engine_group = engine_group(self.group)
+        self.live_is_synced, self._synced_buffers = False, []
+        self._hierarchy: HierarchicalReduce | None = None
+        self.use_scope(scope, config.hierarchical)
+
+    def use_scope(self, scope: str, hierarchical: str) -> None:
+        """Replicas per node (`node`: each node's workers hold one, its change crosses nodes once, a shard from each
+        worker) or per rank (the change in two levels where `hierarchical` and the topology say so)."""
+        self.scope = scope
+        if scope == "node":
+            self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback)
+            return
+        topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce")
+        self._hierarchy = HierarchicalReduce(topology, self._codec, self._feedback) if topology is not None else None
+
+    @property
+    def started(self) -> bool:
+        """Whether the anchors exist (the first inner step after the warm-up has begun)."""
+        return self._fragments[0].anchors is not None
+
+    @property
+    def next_sync(self) -> int:
+        """`steps` at which the next regular sync (of any fragment) starts."""
+        return min(f.next_sync for f in self._fragments)
+
+    @property
+    def fragments(self) -> list[list[torch.Tensor]]:
+        """The parameters of each fragment, in sync order."""
+        return [list(f.params) for f in self._fragments]
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The floating-point buffers averaged with the syncs."""
+        return list(self._fragments[-1].buffers)
+
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        """The outer codec's error feedback (this rank's residuals), or None for an exact codec."""
+        return self._feedback
+
+    def _least_interval(self) -> int:
+        """auto's lower bound: a step of its own per fragment, and each sync applied before the next one starts."""
+        return max(len(self._fragments), self.overlap, 1)
+
+    # -- the inner loop ----------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Before an inner step's optimizer step: the first one after the warm-up takes rank 0's model on every rank
+        and the anchors (a collective: every rank calls it at the same step)."""
+        if not self.started and self.steps >= self.warmup:
+            self._start()
+
+    def step(self) -> None:
+        """An inner step ended: count it and apply or start the syncs now due."""
+        self.steps += 1
+        if self.steps == self.warmup:
+            self._timing = [None, [], 0.0]  # the warm-up's times included the exchange: auto measures local steps
+        now = time.perf_counter()
+        last, recent, _ = self._timing
+        if last is not None:
+            recent.append(now - last)
+            del recent[:-AUTO_WINDOW]
+        if self.started:
+            for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
+                if fragment.pending is not None and fragment.pending[0] <= self.steps:
+                    self._finish(fragment, outer=True)
+            for fragment in self._fragments:
+                if fragment.next_sync == self.steps:
+                    self._begin(fragment, outer=True)
+            if self._fragments[-1].next_sync == self.steps:  # the round's last fragment: the next round
+                self._end_round()
+            took = time.perf_counter() - now
+            self._timing[2] += took
+            now += took  # the next step's time leaves the syncs out
+        self._timing[0] = now
+
+    def _schedule(self, start: int) -> None:
+        """The next round: fragment i syncs (i + 1) * interval / F steps after `start`, the last at `interval`."""
+        count = len(self._fragments)
+        for fragment in self._fragments:
+            fragment.next_sync = start + (fragment.index + 1) * self.interval // count
+
+    def _end_round(self) -> None:
+        if self.sync_every == "auto":
+            self._choose_interval()
+        self._schedule(self.steps)
+
+    def _choose_interval(self) -> None:
+        """auto: the smallest interval whose syncs take at most AUTO_SHARE of the time (slowest rank's figures).
+
+        The slowest rank's times travel on the communication thread behind the syncs in flight, and are read at
+        the end of the next round: every rank decides alike, one round late, without waiting on the exchanges.
+        """
+        _, recent, took = self._timing
+        self._timing[2] = 0.0
+        previous, self._measured = self._measured, None
+        step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
+        measured = torch.tensor([took, step_s], dtype=torch.float64)
+        group = self._engine_group
+
+        def slowest() -> torch.Tensor:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+            return measured
+
+        self._measured = comm_thread().submit(slowest)
+        if previous is None:
+            return
+        took, step_s = previous.wait().tolist()
+        chosen = max(self._least_interval(), interval_for(took, step_s))
+        if chosen != self.interval:
+            self.interval = chosen
+            info_once(
+                f"sync_every=auto: a sync every {chosen} steps (a sync takes {took:.3f} s, a step {step_s:.3f} s: "
+                f"{100 * took / max(chosen * step_s + took, 1e-9):.0f}% of the time in syncs)"
+            )
+
+    def _start(self) -> None:
+        """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
+        tensors = [*(p for fragment in self._fragments for p in fragment.params), *self._fragments[-1].buffers]
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+            for tensor, value in zip(tensors, flat.split(sizes(tensors))):
+                tensor.copy_(value.view_as(tensor))
+        self._make_anchors()
+        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
+        self.live_is_synced = True
+
+    def _make_anchors(self) -> None:
+        lr, momentum = self._outer_settings
+        nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
+        for fragment in self._fragments:
+            fragment.anchors = [p.detach().float().clone() for p in fragment.params]
+            if self.outer_optimizer != "average":
+                fragment.outer = torch.optim.SGD(fragment.anchors, lr=lr, momentum=momentum, nesterov=nesterov)
+
+    def _begin(self, fragment: _Fragment, outer: bool) -> None:
+        """Start averaging a fragment's change (anchor - parameters) on the communication thread.
+
+        A regular sync with sync_overlap is applied `overlap` steps later; any other finishes here.
+        """
+        world = dist.get_world_size(self.group)
+        node = self.scope == "node"
+        replicas = self._hierarchy.topology.num_nodes if node else world
+        with torch.no_grad():
+            values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
+            # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
+            change = torch.cat([a.reshape(-1) for a in fragment.anchors]).sub_(values).div_(replicas)
+            buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
+        if buffers is not None:
+            buffers.div_(world)
+        hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
+
+        def average() -> tuple[torch.Tensor, torch.Tensor | None, int]:
+            if hierarchy is not None:
+                before = hierarchy.bytes_sent
+                mean = hierarchy.reduce(change, fragment.key, replicated=node)[0]
+                sent = hierarchy.bytes_sent - before
+            else:
+                outcome = start_exchange(codec, feedback, change, fragment.key, group).finish()
+                mean, sent = outcome.result.float(), outcome.sent
+            if buffers is not None:
+                dist.all_reduce(buffers, group=group)
+                sent += buffers.numel() * buffers.element_size()
+            return mean, buffers, sent
+
+        overlapped = outer and self.overlap > 0
+        snapshot = None  # what the steps taken while the exchange runs are measured from
+        if overlapped:
+            snapshot = torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
+        fragment.pending = (self.steps + (self.overlap if outer else 0), comm_thread().submit(average), snapshot)
+        if not overlapped:
+            self._finish(fragment, outer)
+
+    def _finish(self, fragment: _Fragment, outer: bool) -> None:
+        """Apply a fragment's averaged change: the outer step (`outer`) or the replicas' mean (sync()).
+
+        Steps taken while the exchange ran (sync_overlap) stay on top: what they changed since it began is added.
+        """
+        _, future, snapshot = fragment.pending
+        fragment.pending = None
+        mean, buffers, sent = future.wait()
+        self.bytes_sent += sent
+        if self.nan_check != "off":
+            self._check_finite(fragment, mean, buffers)
+        with torch.no_grad():
+            means = mean.split([a.numel() for a in fragment.anchors])
+            if outer and fragment.outer is not None:
+                for anchor, change in zip(fragment.anchors, means):
+                    anchor.grad = change.view_as(anchor)  # the outer "gradient"
+                fragment.outer.step()
+                for anchor in fragment.anchors:
+                    anchor.grad = None
+                targets = fragment.anchors
+            elif outer:  # average: the mean of the replicas is the new anchor
+                for anchor, change in zip(fragment.anchors, means):
+                    anchor.sub_(change.view_as(anchor))
+                targets = fragment.anchors
+            else:  # sync(): the replicas' mean, the anchor (and the outer optimizer) untouched
+                targets = [a - change.view_as(a) for a, change in zip(fragment.anchors, means)]
+            tensors = [*fragment.params, *(fragment.buffers if buffers is not None else [])]
+            values = [*targets, *(buffers.split(sizes(fragment.buffers)) if buffers is not None else [])]
+            then = snapshot.split(sizes(tensors)) if snapshot is not None else [None] * len(tensors)
+            for tensor, value, before in zip(tensors, values, then):
+                if before is None:
+                    tensor.copy_(value.view_as(tensor))
+                else:
+                    tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value.view_as(tensor)))
+        if outer and buffers is not None:
+            self._synced_buffers = [b.clone() for b in buffers.split(sizes(fragment.buffers))]
+        if outer:
+            self.syncs += 1
+            if len(self._fragments) == 1 and snapshot is None:
+                self.synced_at = self.steps
+                self.live_is_synced = True
+
+    def _check_finite(self, fragment: _Fragment, mean: torch.Tensor, buffers: torch.Tensor | None) -> None:
+        """nan_check: a non-finite averaged change (the same bits on every rank, so every rank decides alike)."""
+        if bool(mean.isfinite().all()) and (buffers is None or bool(buffers.isfinite().all())):
+            return
+        bad = [
+            self._names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+            for p, part in zip(fragment.params, mean.split(sizes(fragment.params)))
+            if not bool(part.isfinite().all())
+        ]
+        if buffers is not None and not bool(buffers.isfinite().all()):
+            bad.append("floating-point buffers")
+        message = (
+            f"non-finite parameter change averaged by sync_every={self.sync_every} at inner step {self.steps} in: "
+            f"{', '.join(bad)} (nan_check={self.nan_check}): a replica stepped on non-finite gradients since the "
+            "last sync"
+        )
+        if self.nan_check == "raise":
+            raise FloatingPointError(message)
+        log.warning(message)
+
+    def drain(self) -> None:
+        """Apply every exchange in flight now (before a look, a checkpoint or the end)."""
+        for fragment in sorted(
+            (f for f in self._fragments if f.pending is not None), key=lambda f: (f.pending[0], f.index)
+        ):
+            self._finish(fragment, outer=True)
+
+    def sync(self, mid_step: bool = False) -> None:
+        """Average the replicas now, into every rank's live parameters (a collective: call it on every rank).
+        `mid_step`: an inner step has begun changing the parameters (some of its optimizers stepped)."""
+        if not self.started or not dist.is_initialized():
+            return  # nothing to average, or no group left to average over (after destroy_process_group())
+        self.drain()
+        if self.steps == self.synced_at and not mid_step:
+            return
+        for fragment in self._fragments:  # each fragment's replicas averaged in turn
+            self._begin(fragment, outer=False)
+        self.synced_at = self.steps
+        self.live_is_synced = True  # until the live parameters change again
+
+    def synced(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(live tensor, its value in the synced model) for each parameter and floating-point buffer. The synced
+        model is each fragment's anchors (its last regular sync, or the start) and the buffers averaged with the last
+        of them: the same bits on every rank, known without communication."""
+        if not self.started:
+            return []  # the warm-up, or no step yet: the replicas are equal, and the live model is it
+        pairs = [(p, a) for f in self._fragments for p, a in zip(f.params, f.anchors)]
+        return pairs + list(zip(self._fragments[-1].buffers, self._synced_buffers))
+
+    def synced_values(self) -> dict[int, torch.Tensor]:
+        """What `synced()` holds, by the id of each tensor as given (a sharded parameter itself, not its shard)."""
+        pairs = self.synced()
+        values = {id(p): value for p, (_, value) in zip(self.params, pairs)}
+        values.update((id(b), value) for b, value in pairs[len(self.params) :])
+        return values
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The anchors, the outer optimizers and the schedule, as of the last applied syncs: with the synced
+        parameters, where every replica resumes. A sync still in flight is left to run."""
+        measured = self._measured.wait().tolist() if self._measured is not None else None
+        fragments = self._fragments
+        return {
+            "format": FORMAT,
+            "sync_every": self.sync_every,
+            "sync_scope": self.scope,
+            "outer_optimizer": self.outer_optimizer,
+            "sync_fragments": len(fragments),
+            "sync_overlap": self.overlap,
+            "warmup": self.warmup,
+            "steps": self.steps,
+            "interval": self.interval,
+            "next_sync": [f.next_sync for f in fragments],
+            "synced_at": self.synced_at,
+            "syncs": self.syncs,
+            "anchors": [a for f in fragments for a in f.anchors] if self.started else None,
+            "outer": [f.outer.state_dict() if f.outer is not None else None for f in fragments],
+            "outer_compression": self._codec.name,
+            # What a lossy codec has not sent yet, and fp16's dynamic scales: part of the trajectory.
+            "residuals": dict(self._feedback.residuals) if self._feedback is not None else {},
+            "scales": dict(getattr(self._codec, "scales", None) or {}),
+            "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
+        }
+
+    def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
+        """Resume from `state_dict()` (before the next inner step); `local`: the state was saved by this rank, so its
+        residuals (what a lossy outer codec has not sent yet, this rank's own) apply here."""
+        state = _upgrade(state)
+        mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer, "warmup": self.warmup}
+        mine["sync_scope"] = self.scope
+        mine.update(sync_fragments=len(self._fragments), sync_overlap=self.overlap)
+        mine["outer_compression"] = self._codec.name
+        for name, value in mine.items():
+            if state[name] != value:
+                name = "sync_warmup" if name == "warmup" else name
+                raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
+        if state["anchors"] is not None and len(state["anchors"]) != len(self.params):
+            raise ValueError(
+                f"the checkpoint holds {len(state['anchors'])} anchors, this model has {len(self.params)} parameters"
+            )
+        for fragment in self._fragments:  # every rank started these exchanges: waited for, their results dropped
+            if fragment.pending is not None:
+                fragment.pending[1].wait()
+                fragment.pending = None
+        self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
+        self.interval = state["interval"]
+        for fragment, next_sync in zip(self._fragments, state["next_sync"]):
+            fragment.next_sync = next_sync
+        recent, took, measured = state["timing"]
+        self._timing = [None, list(recent), took]
+        self._measured = None
+        if measured is not None:
+            self._measured = torch.futures.Future()
+            self._measured.set_result(torch.tensor(measured, dtype=torch.float64))
+        if state["anchors"] is None:
+            for fragment in self._fragments:
+                fragment.anchors = fragment.outer = None
+            return
+        self._make_anchors()
+        saved = iter(state["anchors"])
+        with torch.no_grad():
+            for fragment, outer in zip(self._fragments, state["outer"]):
+                for anchor in fragment.anchors:
+                    anchor.copy_(next(saved))
+                if fragment.outer is not None and outer is not None:
+                    fragment.outer.load_state_dict(outer)
+        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]  # loaded with them
+        self.live_is_synced = False
+        if self._feedback is not None and local:
+            device = self.params[0].device  # loaded with map_location="cpu", say: they join this rank's tensors
+            self._feedback.residuals = {key: value.to(device, copy=True) for key, value in state["residuals"].items()}
+        if getattr(self._codec, "scales", None) is not None:
+            self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
+
+
+def split_fragments(params: list[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
+    """`params` in `count` contiguous runs of about equal elements, none empty."""
+    total = sum(p.numel() for p in params)
+    runs: list[list[torch.Tensor]] = [[] for _ in range(count)]
+    run, seen = 0, 0
+    for i, p in enumerate(params):
+        left = len(params) - i  # tensors not placed yet, this one included
+        past_share = seen + p.numel() / 2 > total * (run + 1) / count  # most of this tensor beyond the run's share
+        if runs[run] and run < count - 1 and (past_share or left <= count - run - 1):
+            run += 1
+        runs[run].append(p)
+        seen += p.numel()
+    return runs
+
+
+def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """A state of an older format in this format's terms, or a one-line error."""
+    if state.get("format") == FORMAT:
+        return state if "sync_scope" in state else {**state, "sync_scope": "rank"}  # saved before sync_scope
+    if state.get("format") != 1:
+        raise ValueError(f"DiLoCo state of format {state.get('format')!r}; this version reads formats 1 and {FORMAT}")
+    old = dict(state)  # format 1: one fragment, no overlap, auto's measurements not kept
+    old.update(format=FORMAT, sync_fragments=1, sync_overlap=0, next_sync=[state["next_sync"]], outer=[state["outer"]])
+    old["warmup"], old["sync_scope"] = state.get("warmup", 0), "rank"
+    old["residuals"] = {("diloco/0" if k == "diloco" else k): v for k, v in state["residuals"].items()}
+    old["timing"] = [[], 0.0, None]
+    return old
+
+
+def interval_for(sync_s: float, step_s: float, share: float | None = None) -> int:
+    """The smallest number of inner steps between syncs for which syncs take at most `share` of the time."""
+    share = AUTO_SHARE if share is None else share
+    if step_s <= 0:
+        return AUTO_MAX
+    needed = sync_s * (1 - share) / (share * step_s)  # sync / (interval * step + sync) <= share
+    return int(min(AUTO_MAX, max(1, math.ceil(needed - 1e-9))))
+
+
+def resolve(config: Config | None, given: dict[str, Any]) -> Config:
+    """`given` options over `config`, or over init()'s configuration, or over the defaults."""
+    base = config or current_config()
+    if base is None:
+        return Config.resolve(**given)
+    return Config.resolve(env={}, **{**dataclasses.asdict(base), **given}) if given else base
+
+
+def local_part(parameter: torch.Tensor) -> torch.Tensor:
+    """What a sync averages of a parameter: itself, or a sharded one's own shard (a view of it; the replicas in
+    the group hold the same shard of the same parameter)."""
+    return parameter.detach().to_local() if hasattr(parameter, "to_local") else parameter
+
+
+def sizes(tensors: list[torch.Tensor]) -> list[int]:
+    return [t.numel() for t in tensors]
