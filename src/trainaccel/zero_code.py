@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.config import Config
 from trainaccel.context import log, warn_once
 from trainaccel.monitor.ddp import attach_meter
-from trainaccel.observer import StepObserver, observe, observer_of
+from trainaccel.observer import StepObserver, observe, observer_of, wrapper_chain
 
 
 def patch_ddp(config: Config) -> None:
@@ -51,6 +52,7 @@ def patch_ddp(config: Config) -> None:
 def accelerate(ddp_model: DistributedDataParallel, config: Config) -> StepObserver:
     """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step."""
     observer = observe(ddp_model, compiled=config.compile == "on")
+    _note_pretrained(ddp_model)
     if config.sync_every:
         diloco.attach(ddp_model, config)  # no gradient exchange: the hook registered at the first step is not needed
     checkpoint.attach(observer)  # before the hook exists: a checkpoint loaded now waits for it
@@ -69,6 +71,19 @@ def accelerate(ddp_model: DistributedDataParallel, config: Config) -> StepObserv
 
         unsubscribe = observer.subscribe("step_begin", at_first_step)
     return observer
+
+
+def _note_pretrained(ddp_model: DistributedDataParallel) -> None:
+    """A model of transformers' `from_pretrained(folder)` (a run's own `save_pretrained`, perhaps): transformers
+    assigns the weights itself, no `load_state_dict` is seen, and the folder keeps tensors only."""
+    for module in wrapper_chain(ddp_model.module):
+        source = getattr(module, "name_or_path", None)  # what from_pretrained was given
+        if isinstance(source, str) and source and os.path.isdir(source):
+            checkpoint.say_what_starts_anew(
+                f"DDP wraps a model loaded by from_pretrained({source!r}): the folder carries no trainaccel engine "
+                "state (save_pretrained keeps tensors only)"
+            )
+            return
 
 
 def _register_at_first_step(ddp_model: DistributedDataParallel, config: Config) -> None:

@@ -42,8 +42,8 @@ def state_dict(ddp_model: torch.nn.Module) -> dict[str, Any]:
     """
     state = _comm(ddp_model)
     diloco = _diloco(ddp_model)
-    if state is None and diloco is None:
-        return dict(_pending.get(_module(ddp_model)) or {})  # loaded, not applied yet: kept as it came
+    if state is None and diloco is None:  # loaded, not applied yet: kept as it came
+        return dict(_pending_for(ddp_model) or {})
     if getattr(state, "builtin", False):
         return {}
     up = dist.is_initialized()  # a script may save after destroy_process_group(): the launcher's numbers then
@@ -118,6 +118,10 @@ def attach(observer: StepObserver) -> None:
 
 def _save(observer: StepObserver, destination: dict, prefix: str, local_metadata: dict) -> None:
     model = observer.model()
+    if model is None:
+        # The DDP model is gone, its engine state is not: Lightning drops the DDP model at the end of fit(), and a
+        # script then saves the last checkpoint. A module it wrapped still finds the state.
+        model = next((m for m in (ref() for ref in observer.chain) if m is not None), None)
     saved = state_dict(model) if model is not None else {}
     if saved:
         local_metadata[METADATA_KEY] = saved
@@ -138,7 +142,7 @@ def restoring_load_state_dict(original: Any) -> Any:
         for path, metadata in (getattr(state_dict, "_metadata", None) or {}).items():
             saved = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
             if saved:
-                found = True
+                found = found or _after_a_step(saved)
                 try:
                     target = self.get_submodule(path)
                 except AttributeError:
@@ -151,17 +155,36 @@ def restoring_load_state_dict(original: Any) -> Any:
     return load
 
 
+def _after_a_step(saved: dict[str, Any]) -> bool:
+    """Whether an engine state was saved after the model's first step. One from before it holds nothing a resume
+    needs, and is what the state dict that `torch.distributed.checkpoint.load` fills in place carries when it was
+    built from the fresh model (`{"model": model.state_dict()}`): the checkpoint itself kept tensors only."""
+    if "diloco" in saved:
+        return saved["diloco"].get("steps", 0) > 0
+    if "autotune" in saved:
+        return any(_after_a_step(c) for c in saved["autotune"]["candidates"].values())
+    return saved.get("counters", {}).get("steps", 0) > 0
+
+
 def _say_what_starts_anew(module: torch.nn.Module) -> None:
     """A state dict without the engine's state (safetensors, torch.distributed.checkpoint, save_pretrained keep
     tensors only) loaded into a model trained under `init()` with engine state: say once what a resume loses."""
-    config = current_config()
     observer = observer_of(module)
-    if config is None:
-        return  # the explicit APIs' users hold their engine state themselves
     if observer is not None and module not in [observer.model(), *(ref() for ref in observer.chain)]:
         return  # a submodule's own load (pretrained weights for one layer): not a resume
     if observer is None and observed():
         return  # the model is wrapped already: this is another module (an EMA's copy), not the model resuming
+    say_what_starts_anew(
+        "load_state_dict: this state dict carries no trainaccel engine state (a writer that keeps tensors only, "
+        "such as safetensors, torch.distributed.checkpoint or save_pretrained)"
+    )
+
+
+def say_what_starts_anew(what: str) -> None:
+    """Under `init()` with engine state, say once that `what` (weights loaded without it) starts that state anew."""
+    config = current_config()
+    if config is None:
+        return  # the explicit APIs' users hold their engine state themselves
     lost = []
     if config.sync_every:
         if config.outer_optimizer != "average":
@@ -173,15 +196,22 @@ def _say_what_starts_anew(module: torch.nn.Module) -> None:
         lost.append(f"{config.compression}'s residuals (what it has not sent yet)")
     if lost:
         warn_once(
-            "load_state_dict: this state dict carries no trainaccel engine state (a writer that keeps tensors only, "
-            f"such as safetensors, torch.distributed.checkpoint or save_pretrained): if it resumes a run, "
-            f"{', '.join(lost)} start anew; save `trainaccel.comm.state_dict(model)` beside it to keep them"
+            f"{what}: if it resumes a run, {', '.join(lost)} start anew; save `trainaccel.comm.state_dict(model)` "
+            "beside it to keep them"
         )
 
 
 def _diloco(model: torch.nn.Module) -> Any:
     observer = observer_of(model)
     return observer.diloco if observer is not None else None
+
+
+def _pending_for(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Engine state loaded for `model` and not applied yet: loaded into its module, or into a module that one wraps
+    (Lightning's LightningModule, inside the module DDP wraps), where `attach` will find it."""
+    observer = observer_of(model)
+    modules = [ref() for ref in observer.chain] if observer is not None else [_module(model)]
+    return next((_pending[m] for m in modules if m is not None and m in _pending), None)
 
 
 def _module(model: torch.nn.Module) -> torch.nn.Module:
