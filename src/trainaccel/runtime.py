@@ -32,6 +32,11 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     set_collective_timeout(config.collective_timeout)
     _key_groups_by_attempt()
     _explain_uncaught_failures()
+    if is_distributed():
+        from trainaccel.devices import select_local_device
+
+        # Whoever starts the group: each worker on its own GPU, as NCCL and object collectives need.
+        select_local_device()
     if start_process_group:
         _start_process_group(mapped)
 
@@ -134,8 +139,7 @@ def _start_process_group(mapped: dict[str, str]) -> None:
             f"export the first host's address and a free port{how}"
         )
     if torch.cuda.is_available() and dist.is_nccl_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "cpu:gloo,cuda:nccl"
+        backend = "cpu:gloo,cuda:nccl"  # init() made this worker's GPU the current device
     else:
         backend = "gloo"
     global _incarnation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,6 +42,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
             "use trainaccel.comm.DiLoCo(model, optimizer, sync_every=...) for low-communication training"
         )
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    device = next((p.device for p in ddp_model.parameters() if p.requires_grad), None)  # where gradients are reduced
     observer = observe(ddp_model, compiled=config.compile == "on")
     failfast.start_heartbeat()
     # straggler_every and timeline are options of register() as well: they time the step around the hook's wait.
@@ -55,14 +57,14 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
                 f"autotune=on: the {config.compression} candidates run without momentum correction (the optimizer "
                 "keeps its momentum); set compression_momentum, or autotune=off, for it"
             )
-        tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait)
+        tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait, device=device)
         for candidate in tuner.candidates:
             candidate.state.observer = observer
         ddp_model.register_comm_hook(tuner, autotune_comm_hook)
         observer.comm = tuner
         checkpoint.attach(observer)
         return tuner
-    state = build_state(ddp_model.process_group, config, param_names, comm_wait)
+    state = build_state(ddp_model.process_group, config, param_names, comm_wait, device=device)
     state.observer = observer
     momentum.attach(observer, state, config.compression, config.compression_momentum)
     if _nothing_to_add(state, config):
@@ -92,13 +94,18 @@ def _nothing_to_add(state: CommState, config: Config) -> bool:
 
 
 def build_autotuner(
-    process_group: Any, config: Config, param_names: dict[int, str], comm_wait: CommWait | None = None
+    process_group: Any,
+    config: Config,
+    param_names: dict[int, str],
+    comm_wait: CommWait | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> Autotuner:
     """An Autotuner over the candidate reductions for `config` (see `trainaccel.comm.autotune`)."""
     multi_node = config.hierarchical != "off" and discover(process_group).why_flat() is None
     candidates = []
     for label, candidate_config, chunk_mb in candidate_configs(config, multi_node):
-        state = build_state(process_group, candidate_config, param_names, comm_wait)
+        state = build_state(process_group, candidate_config, param_names, comm_wait, device=device)
         if chunk_mb is not None and state.hierarchy is not None:
             state.hierarchy.chunk_mb = chunk_mb
         candidates.append(Candidate(label, state, warmup_steps(candidate_config)))
@@ -117,9 +124,15 @@ DENSE_CODECS = ("none", "fp16", "bf16")
 
 
 def build_state(
-    process_group: Any, config: Config, param_names: dict[int, str] | None = None, comm_wait: CommWait | None = None
+    process_group: Any,
+    config: Config,
+    param_names: dict[int, str] | None = None,
+    comm_wait: CommWait | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> CommState:
-    """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies."""
+    """The hook state `config` asks for: codec, error feedback, and the hierarchy if it applies (`device`: where the
+    gradients live, which picks the backend of a group with one per device type; None: the CPU)."""
     state = CommState(
         process_group=process_group,
         codec=NoCompression(),
@@ -146,7 +159,7 @@ def build_state(
         state.feedback = ErrorFeedback(explicit)  # under auto, the optimizer's momentum comes at the warm-up's end
         state.warmup_steps = config.compression_warmup if sparse else 0
     dense = config.compression in DENSE_CODECS
-    topology = hierarchy_for(process_group, config.hierarchical, dense, "reducing")
+    topology = hierarchy_for(process_group, config.hierarchical, dense, "reducing", device)
     if topology is not None:
         intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale)
         intra_feedback = ErrorFeedback() if intra_codec.lossy else None

@@ -25,6 +25,7 @@ from trainaccel.comm.exchange import (
     start_exchange,
 )
 from trainaccel.comm.topology import Topology
+from trainaccel.devices import backend_of
 from trainaccel.monitor import timeline
 
 
@@ -66,11 +67,6 @@ class HierarchicalReduce:
         self.chunk_mb = chunk_mb
         self.bytes_sent = 0  # received across nodes
         self.intra_bytes_sent = 0
-        # Gloo's reduce-scatter is several times slower than its allreduce: on Gloo the first
-        # stage allreduces the whole buffer inside the node and keeps this worker's shard. A lossy
-        # codec in the node does so too: every worker of the node must see the whole sum to decide
-        # alike whether it is finite.
-        self._scatter_by_allreduce = dist.get_backend(topology.intra_group) == "gloo" or self.intra_codec.lossy
         self._velocity: tuple[tuple[torch.Tensor, ...], int] | None = None  # the reduction in progress's (chunks)
 
     def reduce(
@@ -120,7 +116,11 @@ class HierarchicalReduce:
             self.intra_feedback.update(key, full, self.intra_codec, payload, ctx)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
         group, offset = self.topology.intra_group, self.topology.local_index * shard_size
-        if self._scatter_by_allreduce:
+        # Gloo's reduce-scatter is several times slower than its allreduce: on Gloo (the backend of this part's
+        # device: "cpu:gloo,cuda:nccl" reduces CPU tensors with Gloo) the first stage allreduces the whole buffer
+        # inside the node and keeps this worker's shard. A lossy codec in the node does so too: every worker of the
+        # node must see the whole sum to decide alike whether it is finite.
+        if self.intra_codec.lossy or backend_of(group, payload.device) == "gloo":
             work = dist.all_reduce(payload, group=group, async_op=True)
             shard_payload = payload.narrow(0, offset, shard_size)
         else:

@@ -36,6 +36,7 @@ from trainaccel.comm.scheduler import comm_thread, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
+from trainaccel.devices import group_device
 
 log = logging.getLogger("trainaccel")
 
@@ -164,7 +165,7 @@ class OuterSync:
         if scope == "node":
             self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback)
             return
-        topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce")
+        topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce", self.params[0].device)
         self._hierarchy = HierarchicalReduce(topology, self._codec, self._feedback) if topology is not None else None
 
     @property
@@ -249,8 +250,8 @@ class OuterSync:
         self._timing[2] = 0.0
         previous, self._measured = self._measured, None
         step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
-        measured = torch.tensor([took, step_s], dtype=torch.float64)
         group = self._engine_group
+        measured = torch.tensor([took, step_s], dtype=torch.float64, device=group_device(group))
 
         def slowest() -> torch.Tensor:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)

@@ -6,9 +6,11 @@ import dataclasses
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 from trainaccel.context import warn_once
+from trainaccel.devices import backend_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +130,21 @@ def node_group() -> dist.ProcessGroup | None:
 
 
 def hierarchy_for(
-    process_group: dist.ProcessGroup | None, hierarchical: str, eligible: bool, what: str
+    process_group: dist.ProcessGroup | None,
+    hierarchical: str,
+    eligible: bool,
+    what: str,
+    device: torch.device | None = None,
 ) -> Topology | None:
     """The topology to reduce over in two levels, or None for a flat reduction; call on every rank.
 
-    `hierarchical` is the option (on, auto, off); `auto` takes a hierarchy on Gloo when `eligible`. Asked for one
-    that cannot be built (`on`, or nodes of different sizes), it warns once: "`what` flat over all workers (why)".
+    `hierarchical` is the option (on, auto, off); `auto` takes a hierarchy on Gloo when `eligible` (Gloo: the backend
+    that reduces `device`'s tensors, the CPU's when None). Asked for one that cannot be built (`on`, or nodes of
+    different sizes), it warns once: "`what` flat over all workers (why)".
     """
     group = dist.group.WORLD if process_group is None else process_group
-    wanted = hierarchical == "on" or (hierarchical == "auto" and eligible and dist.get_backend(group) == "gloo")
+    on_gloo = backend_of(group, device or torch.device("cpu")) == "gloo"
+    wanted = hierarchical == "on" or (hierarchical == "auto" and eligible and on_gloo)
     if not wanted:
         return None
     topology = discover(process_group)

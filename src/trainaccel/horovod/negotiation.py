@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.exchange import all_gather_single
+from trainaccel.devices import group_device
 from trainaccel.horovod.process_sets import ProcessSet
 
 KINDS = {
@@ -123,11 +124,12 @@ def describe(kind: str, tensor: torch.Tensor, extra: int = 0, name: str | None =
 
 
 def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None, set_id: int) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    everyone = torch.empty(world, mine.numel(), dtype=torch.int64)
-    all_gather_single(everyone.view(-1), mine, group=group)
+    """Every worker's descriptor, read here on the CPU (exchanged on the group's device: an NCCL-only group's GPU)."""
+    world, device = dist.get_world_size(group), group_device(group)
+    everyone = torch.empty(world, mine.numel(), dtype=torch.int64, device=device)
+    all_gather_single(everyone.view(-1), mine.to(device), group=group)
     _rounds[set_id] = _rounds.get(set_id, 0) + 1
-    return everyone
+    return everyone.cpu()
 
 
 def mismatch(

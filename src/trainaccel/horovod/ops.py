@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.exchange import all_gather_single
+from trainaccel.devices import group_device
 from trainaccel.horovod import negotiation
 from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.exceptions import UnsupportedOperation
@@ -327,9 +328,10 @@ def alltoall_async(
             )
 
     def launch(everyone: torch.Tensor) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-        received = torch.empty(world, dtype=torch.int64)
-        dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64), group=ps.group)
-        counts = [int(x) for x in received]
+        device = group_device(ps.group)  # the splits travel on the group's device (an NCCL-only group's GPU)
+        received = torch.empty(world, dtype=torch.int64, device=device)
+        dist.all_to_all_single(received, torch.tensor(send, dtype=torch.int64, device=device), group=ps.group)
+        counts = received.tolist()
         output = tensor.new_empty((sum(counts), *tensor.shape[1:]))
         work = dist.all_to_all_single(
             _moved(output), _moved(tensor.detach().contiguous()), counts, send, group=ps.group, async_op=True

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from trainaccel.devices import group_device
+
 log = logging.getLogger("trainaccel")
 
 
@@ -118,7 +120,7 @@ class StepMeter:
         workers = 1
         if dist.is_available() and dist.is_initialized():
             workers = dist.get_world_size(self.group)
-            device = collective_device(self.device, self.group)
+            device = group_device(self.group)
             sums, peak = sums.to(device), peak.to(device)
             dist.all_reduce(sums, group=self.group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
@@ -146,11 +148,6 @@ class StepMeter:
                 if name != "step":
                     self._writer.add_scalar(f"trainaccel/{name}", value, record.step)
             self._writer.flush()
-
-
-def collective_device(device: torch.device | None, group: dist.ProcessGroup | None) -> torch.device | str:
-    """Where a small tensor for a collective over `group` must live: `device` under NCCL, else the CPU."""
-    return device if device is not None and dist.get_backend(group) == "nccl" else "cpu"
 
 
 def rank_in(group: dist.ProcessGroup | None) -> int:

@@ -18,8 +18,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from trainaccel.devices import group_device
 from trainaccel.environment import worker_place
-from trainaccel.monitor.metrics import collective_device, rank_in
+from trainaccel.monitor.metrics import rank_in
 
 log = logging.getLogger("trainaccel")
 
@@ -119,7 +120,7 @@ class StragglerDetector:
             if self._places is None:
                 places = [("", 0)] * world
                 dist.all_gather_object(places, worker_place(), group=self.group)
-            mine = torch.tensor([own], dtype=torch.float64, device=collective_device(self.device, self.group))
+            mine = torch.tensor([own], dtype=torch.float64, device=group_device(self.group))
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine, group=self.group)
             times = [t.item() for t in gathered]

@@ -1,0 +1,67 @@
+"""Which device is this process's, and which device a collective over a group takes: the one place that tells a CUDA
+group (NCCL) from a CPU one (Gloo, MPI, or the CPU half of `cpu:gloo,cuda:nccl`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+CPU_BACKENDS = ("gloo", "mpi", "ucc")  # backends that reduce CPU tensors
+
+
+def local_cuda_index(env: Mapping[str, str] | None = None) -> int | None:
+    """This worker's GPU among those it sees: None without CUDA; 0 where it sees one (a launcher that gives each worker
+    its own GPU through CUDA_VISIBLE_DEVICES); else LOCAL_RANK, which must name a visible GPU."""
+    env = os.environ if env is None else env
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    local = int(env.get("LOCAL_RANK", "0"))
+    if local >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local}, and this worker sees {count} GPUs (CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): accepted, LOCAL_RANK below {count}, or one visible GPU per "
+            "worker; start at most one worker per GPU (--nproc-per-node)"
+        )
+    return local
+
+
+def select_local_device(env: Mapping[str, str] | None = None) -> torch.device | None:
+    """Make this worker's GPU the current CUDA device unless the script chose one already (a current device other than
+    0): object collectives, NCCL's groups and a plain "cuda" then mean it, not GPU 0 on every worker."""
+    index = local_cuda_index(env)
+    if index is None:
+        return None
+    if torch.cuda.current_device() == 0 and index != 0:
+        torch.cuda.set_device(index)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor handed to a collective over `group` must live: the CPU where the group reduces CPU tensors, else
+    this worker's current GPU (an NCCL-only group, as `init_process_group("nccl")` makes)."""
+    if uses_cpu(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def uses_cpu(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `group` reduces CPU tensors (a CPU backend, alone or beside NCCL)."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": a backend per device type
+        return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    return backend in CPU_BACKENDS
+
+
+def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend that reduces `device`'s tensors over `group`: "gloo" for the CPU half of "cpu:gloo,cuda:nccl"."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" not in backend:
+        return backend
+    parts = dict(part.strip().split(":", 1) for part in backend.split(","))
+    return parts.get(device.type, backend)
