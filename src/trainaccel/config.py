@@ -366,10 +366,11 @@ class Config:
         "write a Chrome-trace timeline of training steps and bucket communication to this file on rank 0",
     )
     collective_timeout: float = _option(
-        300.0,
+        600.0,
         _number(float, 0.0, float("inf"), low_open=True),
         "seconds a collective may wait for its peers before the job fails naming the cause "
-        "(torch's default is 1800); applies to process groups started without an explicit timeout",
+        "(torch's defaults: 600 for NCCL, whose watchdog then ends the process, 1800 for Gloo; hangs are named "
+        "sooner by hang_timeout); applies to process groups started without an explicit timeout",
     )
     hang_timeout: float | str = _option(
         "auto",

@@ -106,3 +106,34 @@ def test_timeouts_apply_to_groups_created_without_one():
     finally:
         trainaccel.shutdown()
     assert distributed_c10d._get_default_timeout("gloo") == timedelta(minutes=30)
+
+
+def test_the_default_collective_timeout_keeps_nccls_own():
+    """A rank-0 save with the others in a barrier has as long as under plain torchrun on NCCL (600 s)."""
+    from trainaccel.config import Config
+
+    assert Config.resolve(env={}).collective_timeout == 600.0
+
+
+@pytest.mark.parametrize("backend, shown", [("cpu:gloo,cuda:nccl", True), ("nccl", True), ("gloo", False)])
+def test_stacks_are_shown_on_abort_where_nccls_watchdog_may_end_the_process(monkeypatch, backend, shown):
+    """NCCL's watchdog ends a worker whose collective timed out with abort(): no Python error, so the stacks."""
+    import faulthandler
+    import sys
+
+    import torch.distributed as dist
+
+    import trainaccel
+    from trainaccel.comm.failfast import show_stacks_on_abort
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    was = faulthandler.is_enabled()  # pytest's own
+    faulthandler.disable()
+    try:
+        show_stacks_on_abort()
+        assert faulthandler.is_enabled() is shown
+        trainaccel.shutdown()
+        assert not faulthandler.is_enabled()
+    finally:
+        if was:
+            faulthandler.enable(file=sys.stderr)

@@ -11,6 +11,7 @@ heartbeat) once it stopped training for `hang_timeout` while its peers wait.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import functools
 import json
 import logging
@@ -22,11 +23,13 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainaccel import context
 from trainaccel.config import Config, env_setting
+from trainaccel.devices import backend_of
 from trainaccel.environment import worker_place
 from trainaccel.observer import process_forwards, process_step
 
@@ -393,6 +396,7 @@ def start_heartbeat() -> None:
     global _heartbeat
     if not dist.is_initialized() or (_heartbeat is not None and _heartbeat.world is dist.group.WORLD):
         return
+    show_stacks_on_abort()
     stop_heartbeat()  # an earlier group's (elastic jobs start new ones)
     if context.first_time("heartbeat"):
         context.on_undo("heartbeat", stop_heartbeat)
@@ -400,6 +404,17 @@ def start_heartbeat() -> None:
         _heartbeat = Heartbeat()
     except Exception as e:  # a store without clone or writes: training goes on, failures are not explained
         log.debug("no heartbeat (%s: %s): collective failures will not name the missing peers", type(e).__name__, e)
+
+
+def show_stacks_on_abort() -> None:
+    """On a default group that reduces CUDA tensors with NCCL: every thread's Python stack on a fatal signal (until
+    shutdown). NCCL's watchdog ends a worker whose collective timed out with abort(), which no Python code outlives;
+    the stacks still name the call it was stuck in."""
+    if backend_of(None, torch.device("cuda")) != "nccl" or faulthandler.is_enabled():
+        return
+    if context.first_time("stacks on abort"):
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        context.on_undo("stacks on abort", faulthandler.disable)
 
 
 def report(name: str, value: Callable[[], Any]) -> Callable[[], None]:
