@@ -144,6 +144,25 @@ def test_ddp_becomes_sharded_under_init_and_plain_again_after_shutdown(one_rank)
     assert type(torch.nn.parallel.DistributedDataParallel(mlp(4, 2))) is torch.nn.parallel.DistributedDataParallel
 
 
+def test_buffers_cross_in_one_broadcast_per_dtype_each_step(one_rank, monkeypatch):
+    """As DDP coalesces them: a BatchNorm's running mean and variance (float) and its count (int64), 2 calls."""
+    trainaccel.init(shard="full", shard_min_params=10, start_process_group=False)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    calls = []
+    broadcast = dist.broadcast
+    monkeypatch.setattr(
+        dist, "broadcast", lambda tensor, *a, **k: calls.append(tensor.dtype) or broadcast(tensor, *a, **k)
+    )
+    before = [b.clone() for b in model.buffers()]
+    ddp(torch.randn(5, 4)).sum().backward()
+    assert sorted(map(str, calls)) == ["torch.float32", "torch.int64"]
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.buffers()))  # the forward still updated them
+    with torch.no_grad():
+        ddp(torch.randn(5, 4))
+    assert len(calls) == 2  # no broadcast outside a training forward
+
+
 def test_one_optimizer_over_two_models_wrapped_at_different_times_steps_both_sharded(one_rank):
     trainaccel.init(shard="full", start_process_group=False)
     first, second = mlp(4, 2), mlp(2, 2)
