@@ -170,3 +170,34 @@ def test_timeline_is_written_on_rank_zero_or_per_rank_and_closes_as_valid_json(t
         ("bucket 3.1", "allreduce", pytest.approx(2000, abs=1)),
     ]
     assert list(names.values()) == ["steps", "bucket 3", "bucket 3.1"] and timeline.current() is None
+
+
+class _Event:
+    """Stands in for a CUDA timing event: recorded at `at` (ms), complete or still pending on the device."""
+
+    def __init__(self, at: float, complete: bool = True):
+        self.at, self.complete = at, complete
+
+    def query(self) -> bool:
+        return self.complete
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.at - self.at
+
+
+@pytest.mark.parametrize(
+    "ready, done, expected",
+    [
+        (1.0, 1.25, 0.25),  # host clock (CPU)
+        (None, 1.0, 0.0),  # no step seen
+        (_Event(100.0), _Event(350.0), 0.25),  # device events: the device's wait, in seconds
+        (_Event(100.0), _Event(350.0, complete=False), 0.0),  # still pending: no sample, and no wait for it
+    ],
+)
+def test_the_wait_for_peers_is_timed_where_the_work_runs(ready, done, expected):
+    from trainaccel.comm.hooks import CommWait
+
+    wait = CommWait()
+    wait.ready, wait.done = ready, done
+    assert wait.take() == pytest.approx(expected)
+    assert wait.ready is None and wait.done is None

@@ -22,20 +22,45 @@ from trainaccel.monitor import timeline
 
 @dataclasses.dataclass
 class CommWait:
-    """This worker's wait for its peers in one step: from its last bucket ready to its reductions done."""
+    """This worker's wait for its peers in one step: from its last bucket ready to its reductions done.
 
-    ready: float | None = None  # when the step's last bucket reached the hook: local work done
-    done: float | None = None  # when the latest of the step's reductions completed
+    On the CPU, host clock times. On a GPU the host only queues the work, so its times say nothing of the device's:
+    CUDA events on the streams that produce the last bucket and consume the reductions are timed instead, and read
+    at the next step if they completed (never waited for: no host sync).
+    """
+
+    ready: Any = None  # when the step's last bucket reached the hook (local work done): a time or a CUDA event
+    done: Any = None  # when the latest of the step's reductions completed: a time or a CUDA event
 
     def take(self) -> float:
-        """The last step's wait in seconds (0 if none was seen), and forget it."""
-        wait = self.done - self.ready if self.ready is not None and self.done is not None else 0.0
+        """The last step's wait in seconds (0 if none was seen, or its device events are still pending), and forget
+        it."""
+        ready, done = self.ready, self.done
         self.ready = self.done = None
-        return max(0.0, wait)
+        if ready is None or done is None:
+            return 0.0
+        if isinstance(ready, float):
+            return max(0.0, done - ready)
+        if not (ready.query() and done.query()):
+            return 0.0
+        return max(0.0, ready.elapsed_time(done) / 1000.0)
+
+    def mark_ready(self, device: torch.device) -> None:
+        self.ready = _now(device)
 
     def mark_done(self, fut: torch.futures.Future) -> torch.Tensor:
-        self.done = time.perf_counter()
-        return fut.value()
+        value = fut.value()
+        self.done = _now(value.device)  # a CUDA future's callback runs on streams ordered after its work
+        return value
+
+
+def _now(device: torch.device) -> Any:
+    """The host's clock, or a timing event recorded on `device`'s current stream."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @dataclasses.dataclass
@@ -119,7 +144,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     if bucket.is_last():
         state.reductions += 1
         if state.comm_wait is not None:
-            state.comm_wait.ready = time.perf_counter()
+            state.comm_wait.mark_ready(bucket.buffer().device)
     step = state.reductions if bucket.is_last() else state.reductions + 1
     buffer, index = bucket.buffer(), bucket.index()
     signature = _signature(state, bucket) if state.per_bucket else None
