@@ -34,8 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.comm import failfast
-from trainaccel.comm.exit_guard import track
 from trainaccel.comm.outer_sync import OuterSync, resolve
+from trainaccel.comm.scheduler import comm_thread
 from trainaccel.comm.topology import discover, node_group
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
@@ -545,11 +545,16 @@ class _InNode:
 
 
 def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations, which are strings here)
-    """Average one DDP bucket over `state.group`."""
-    group = state.group
-    tensor = bucket.buffer().div_(dist.get_world_size(group))
-    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    return future.then(track(lambda done: done.value()[0]))
+    """Average one DDP bucket over `state.group`, on the communication thread: every collective of the engine goes
+    out from that one thread, in one order on every rank (NCCL can deadlock when two threads of a rank launch on two
+    communicators in different orders across ranks)."""
+    group, tensor = state.group, bucket.buffer()
+
+    def average() -> torch.Tensor:
+        dist.all_reduce(tensor.div_(dist.get_world_size(group)), group=group)
+        return tensor
+
+    return comm_thread().submit(average, tensor.device)
 
 
 class _BackwardSeen:

@@ -257,7 +257,7 @@ class OuterSync:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
             return measured
 
-        self._measured = comm_thread().submit(slowest)
+        self._measured = comm_thread().submit(slowest, measured.device)
         if previous is None:
             return
         took, step_s = previous.wait().tolist()
@@ -323,7 +323,8 @@ class OuterSync:
         snapshot = None  # what the steps taken while the exchange runs are measured from
         if overlapped:
             snapshot = torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
-        fragment.pending = (self.steps + (self.overlap if outer else 0), comm_thread().submit(average), snapshot)
+        job = comm_thread().submit(average, values.device)  # on a GPU: after this step's work, on the thread's stream
+        fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
             self._finish(fragment, outer)
 

@@ -10,6 +10,7 @@ also what NCCL needs to drive several communicators without deadlock.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -25,19 +26,31 @@ log = logging.getLogger("trainaccel")
 
 
 class CommThread:
-    """Runs submitted jobs one at a time, in submission order, on a daemon thread."""
+    """Runs submitted jobs one at a time, in submission order, on a daemon thread.
+
+    A job for a CUDA device runs on a stream of its own (one per device), after an event recorded on the submitting
+    thread's stream (the bucket's gradients are produced there): the training stream never waits for a collective
+    the job waits for, only the consumers of the job's result do, through the CUDA-aware future's events.
+    """
 
     def __init__(self, name: str = "trainaccel-comm"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # used on the thread only
+        self._in_flight: collections.deque = collections.deque()  # (event, job) until the stream passed the job
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], torch.Tensor], device: torch.device | None = None) -> torch.futures.Future:
-        """A future completed with `job()`'s result (or its error) once the thread has run it."""
+        """A future completed with `job()`'s result (or its error) once the thread has run it; `device`: where the
+        job's tensors live (a CUDA one orders the job after the caller's work so far, on the thread's own stream)."""
         # A CUDA-aware future makes its waiters' streams wait for the job's work, as c10d's futures do.
-        devices = [device] if device is not None and device.type == "cuda" else []
-        fut: torch.futures.Future = torch.futures.Future(devices=devices)
-        self._jobs.put((job, fut))
+        cuda = device is not None and device.type == "cuda"
+        fut: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else [])
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        self._jobs.put((job, fut, device if cuda else None, ready))
         return fut
 
     def stop(self) -> None:
@@ -50,15 +63,34 @@ class CommThread:
             item = self._jobs.get()
             if item is None:
                 return
-            job, fut = item
-            result = None
-            try:
-                result = job()
-            except BaseException as e:  # surfaces in DDP's backward on this rank
-                fut.set_exception(e)
+            job, fut, device, ready = item
+            if device is None:
+                _complete(job, fut)
             else:
-                fut.set_result(result)
-            del job, fut, result
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device=device)
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    _complete(job, fut)  # the future records its events on this stream
+                    passed = torch.cuda.Event()
+                    passed.record(stream)
+                # The job holds tensors the caller allocated on its own stream: freed now, their memory could be
+                # reused there before this stream has read them. They go once this stream has passed the job.
+                self._in_flight.append((passed, job))
+            while self._in_flight and self._in_flight[0][0].query():
+                self._in_flight.popleft()
+            del job, fut, ready
+
+
+def _complete(job: Callable[[], torch.Tensor], fut: torch.futures.Future) -> None:
+    result = None
+    try:
+        result = job()
+    except BaseException as e:  # surfaces in DDP's backward on this rank
+        fut.set_exception(e)
+    else:
+        fut.set_result(result)
 
 
 _thread: CommThread | None = None
