@@ -166,7 +166,7 @@ class RandomK:
         self.ratio, self.seed, self.adaptive = ratio, seed, adaptive
         self.rounds: dict[Any, list[int]] = {}  # per key: [n, a, b, position in the round, rounds drawn]
 
-    def _positions(self, n: int, key: Any) -> torch.Tensor:
+    def _positions(self, n: int, key: Any, device: torch.device | None = None) -> torch.Tensor:
         k = max(1, math.ceil(n * (self.adaptive.ratio(key) if self.adaptive is not None else self.ratio)))
         state = self.rounds.get(key)
         if state is None or state[0] != n or state[3] >= n:
@@ -180,10 +180,12 @@ class RandomK:
         _, a, b, start, _ = state
         stop = min(start + k, n)
         state[3] = stop
-        return (torch.arange(start, stop, dtype=torch.int64) * a + b) % n
+        # Built where they are used: integer arithmetic, the same on every device (n * n < 2**63), and nothing
+        # copied from pageable host memory on every call. The draw of a and b stays on the host, as it was.
+        return (torch.arange(start, stop, dtype=torch.int64, device=device) * a + b) % n
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
-        index = self._positions(tensor.numel(), key).to(tensor.device)
+        index = self._positions(tensor.numel(), key, tensor.device)
         payload = tensor.new_empty(index.numel() + 1)
         torch.index_select(tensor, 0, index, out=payload[:-1])
         # 0 when every element is finite, NaN otherwise (a float32 sum: float16 elements could add up to Inf).
@@ -221,6 +223,15 @@ class BlockQuantized:
     # Each byte's two values (low nibble first), signs included: decoding is one table lookup per byte.
     _SIGNED = torch.cat([FP4, -FP4])
     _PAIRS = torch.stack([_SIGNED[torch.arange(256) & 15], _SIGNED[torch.arange(256) >> 4]], dim=1)
+    # Those tables on each device that used them: (_NEAREST, _PAIRS), copied there once for every instance.
+    _ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def _tables(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = cls._ON_DEVICE.get(device)
+        if tables is None:  # two threads may both copy: either copy is right
+            tables = cls._ON_DEVICE[device] = (cls._NEAREST.to(device), cls._PAIRS.to(device))
+        return tables
 
     def __init__(self, name: str):
         if name not in ("int8", "fp4"):
@@ -234,14 +245,17 @@ class BlockQuantized:
         x = torch.nn.functional.pad(tensor.float(), (0, blocks * self.BLOCK - n)).view(blocks, self.BLOCK)
         scales = x.abs().amax(dim=1) / self.top
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: codes 0
-        if not bool(scales.isfinite().all()):  # the scales carry it (the finiteness check); codes must be valid
-            x = x.nan_to_num(0.0, 0.0, 0.0)
+        # A non-finite input makes its block's scale non-finite, which is what the finiteness check reads; its codes
+        # must still be valid. Zeroing what is not finite after normalising changes nothing for finite input (finite
+        # over a finite, positive scale stays finite) and asks the host nothing: no sync on a GPU.
         if self.name == "int8":
-            codes = (x / safe[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
+            x = (x / safe[:, None]).nan_to_num_(0.0, 0.0, 0.0)
+            codes = x.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
         else:
-            x = (x / safe[:, None]).mul_(4.0)  # (not x * (4 / safe): a subnormal scale's reciprocal overflows)
+            # (not x * (4 / safe): a subnormal scale's reciprocal overflows)
+            x = (x / safe[:, None]).mul_(4.0).nan_to_num_(0.0, 0.0, 0.0)
             quarters = x.abs().clamp_(max=24.0).to(torch.int64)
-            code = self._NEAREST[quarters] | ((x < 0).to(torch.uint8) << 3)
+            code = self._tables(x.device)[0][quarters] | ((x < 0).to(torch.uint8) << 3)
             codes = (code[:, 0::2] | (code[:, 1::2] << 4)).reshape(-1)
         payload = torch.cat([scales.view(torch.uint8), codes])
         return payload, (n, tensor.dtype, blocks)
@@ -262,7 +276,8 @@ class BlockQuantized:
         if self.name == "int8":
             x = codes.view(torch.int8).float()
         else:
-            x = torch.nn.functional.embedding(codes.to(torch.int32), self._PAIRS).view(blocks, self.BLOCK)
+            pairs = self._tables(codes.device)[1]
+            x = torch.nn.functional.embedding(codes.to(torch.int32), pairs).view(blocks, self.BLOCK)
         return (x * scales[:, None]).reshape(-1)[:n].to(dtype)
 
 
