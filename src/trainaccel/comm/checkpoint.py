@@ -83,6 +83,7 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
         diloco.load_state_dict(saved["diloco"], local=own)
         return
     local = _local_part_applies(saved)
+    devices = {name: p.device for name, p in _module(ddp_model).named_parameters()}
     if isinstance(state, Autotuner):
         tuned = saved.get("autotune")
         if tuned is None:
@@ -91,7 +92,7 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
         by_label = {c.label: c for c in state.candidates}
         for label, candidate_saved in tuned["candidates"].items():
             if label in by_label:
-                _load_comm_state(by_label[label].state, candidate_saved, local)
+                _load_comm_state(by_label[label].state, candidate_saved, local, devices)
         if tuned["chosen"] in by_label:
             state.chosen = by_label[tuned["chosen"]]
         return
@@ -99,7 +100,7 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
         warn_once("the checkpoint's communication state is an autotuner's, and autotune is off now: not restored")
         return
     if not getattr(state, "builtin", False):
-        _load_comm_state(state, saved, local)
+        _load_comm_state(state, saved, local, devices)
 
 
 def attach(observer: StepObserver) -> None:
@@ -300,7 +301,14 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
     return saved
 
 
-def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> None:
+def _load_comm_state(
+    state: CommState, saved: dict[str, Any], local: bool, devices: dict[str, torch.device] | None = None
+) -> None:
+    """Restore `saved` into `state`; each bucket's tensors go to the device of its parameters (`devices`, by name).
+
+    A checkpoint keeps tensors where they were saved, and the usual recipe loads it with `map_location="cpu"`: a
+    residual left there would meet a CUDA gradient at the first step. Moving them here, once, when the model's
+    parameters are where they train, keeps the per-step path free of device checks and copies."""
     if saved.get("compression") != _compression(state) or saved.get("hierarchical") != (state.hierarchy is not None):
         warn_once(
             f"the checkpoint's communication state is for compression={saved.get('compression')} "
@@ -320,8 +328,8 @@ def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> No
         p.iter = s["iter"]
         p.total_numel_before_compression = s["total_numel_before_compression"]
         p.total_numel_after_compression = s["total_numel_after_compression"]
-        kind, key, pos, has_gauss, cached = s["rng"]
-        p.rng.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+        kind, key, pos, has_gauss, cached = s["rng"]  # numpy's generator: its key belongs on the host
+        p.rng.set_state((kind, key.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
     if state.moved is not None and "moved_momentum" in saved:
         restore_moved(state, saved["moved_momentum"])
     # Whatever the engine held goes; the checkpoint's buckets wait, parked, for the indices DDP gives them.
@@ -335,8 +343,9 @@ def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> No
         if not all(name in index_of for name in params):
             unknown.extend(name for name in params if name not in index_of)
             continue
+        device = (devices or {}).get(params[0]) if params else None
         entries = {
-            name: {rest: value for rest, value in pairs}
+            name: {rest: _on(value, device) for rest, value in pairs}
             for name, pairs in bucket.items()
             if name not in ("params", "index") and (local or name not in LOCAL_STORES)
         }
@@ -353,6 +362,13 @@ def _load_comm_state(state: CommState, saved: dict[str, Any], local: bool) -> No
 
 def _compression(state: CommState) -> str:
     return "powersgd" if state.powersgd is not None else state.codec.name
+
+
+def _on(value: Any, device: torch.device | None) -> Any:
+    """A restored store's value on `device` (its bucket's parameters'): tensors moved, plain values as they are."""
+    if isinstance(value, torch.Tensor) and device is not None and value.device != device:
+        return value.to(device)
+    return value
 
 
 def _copy(value: Any) -> Any:

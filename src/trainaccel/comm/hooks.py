@@ -10,14 +10,19 @@ import torch.distributed as dist
 
 from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
-from trainaccel.comm.exchange import EXACT, NOT_FINITE, say_fallback, start_exchange
+from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_gather_single, say_fallback, start_exchange
 from trainaccel.comm.exit_guard import track
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.momentum import MovedMomentum, bucket_velocity
 from trainaccel.comm.powersgd import PowerSGDState, forget_bucket, powersgd_reduce
 from trainaccel.comm.scheduler import comm_thread
 from trainaccel.context import log, warn_once
+from trainaccel.devices import backend_of
 from trainaccel.monitor import timeline
+
+# Backends whose allreduce takes a sparse tensor: Gloo alone (NCCL raises, MPI refuses sparse input). Elsewhere sparse
+# gradients are averaged by all-gathering their indices and values, with the same result (`_sparse_mean`).
+SPARSE_ALLREDUCE_BACKENDS = ("gloo",)
 
 
 @dataclasses.dataclass
@@ -159,7 +164,9 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
             if state.powersgd is not None:
                 # torch's PowerSGD counts steps at its last bucket: if this is it, count here, or it never starts
                 state.powersgd.maybe_increase_iter(bucket)
-            return timeline.traced("sparse allreduce", index, lambda _: _exact(state, buffer, sparse=True))(None)
+            by_gather = backend_of(state.group, buffer.device) not in SPARSE_ALLREDUCE_BACKENDS
+            name = "sparse allgather" if by_gather else "sparse allreduce"
+            return timeline.traced(name, index, lambda _: _sparse_mean(state, buffer, by_gather))(None)
         if state.powersgd is not None:
             return timeline.traced("powersgd", index, lambda _: _powersgd_bucket(state, bucket, step))(None)
         if exact_first or step <= state.warmup_steps:
@@ -320,19 +327,59 @@ def _world(state: CommState) -> int:
     return dist.get_world_size(state.group)
 
 
-def _exact(state: CommState, buffer: torch.Tensor, sparse: bool = False) -> torch.Tensor:
-    """Plain DDP's reduction: the mean of the buffer in its own dtype (sparse gradients stay sparse)."""
-    if sparse:
-        warn_once(
-            "sparse gradients (e.g. nn.Embedding(sparse=True)) are averaged exactly, uncompressed; "
-            "the codec applies to the dense buckets"
-        )
-        buffer = buffer.coalesce()  # one value per row: what Gloo's sparse allreduce expects
+def _exact(state: CommState, buffer: torch.Tensor) -> torch.Tensor:
+    """Plain DDP's reduction: the mean of the buffer in its own dtype."""
     buffer.div_(_world(state))
     dist.all_reduce(buffer, group=state.group)
-    sent = buffer._values().numel() * buffer.element_size() if sparse else buffer.numel() * buffer.element_size()
-    state.flat_bytes_sent += sent
+    state.flat_bytes_sent += buffer.numel() * buffer.element_size()
     return buffer
+
+
+def _sparse_mean(state: CommState, buffer: torch.Tensor, by_gather: bool) -> torch.Tensor:
+    """The mean of a sparse gradient over the workers, exactly and coalesced (it stays sparse, as under plain DDP).
+
+    Gloo's sparse allreduce gathers every worker's indices and values and adds them up in rank order. Where the
+    backend has none (NCCL, MPI), `by_gather` does the same with two all-gathers, as Horovod's sparse allreduce does
+    (on the CPU, Gloo's sum bit for bit). The workers' numbers of rows differ, so one small all-gather of those comes
+    first and the rows are padded to the largest; reading those numbers waits for them on the host (this thread).
+    """
+    warn_once(
+        "sparse gradients (e.g. nn.Embedding(sparse=True)) are averaged exactly, uncompressed; "
+        "the codec applies to the dense buckets"
+    )
+    world = _world(state)
+    buffer = buffer.coalesce()  # one value per row: what Gloo's sparse allreduce expects
+    buffer.div_(world)
+    if not by_gather:
+        dist.all_reduce(buffer, group=state.group)
+        state.flat_bytes_sent += buffer._values().numel() * buffer.element_size()
+        return buffer
+    indices, values = buffer._indices(), buffer._values()
+    rows = torch.tensor([indices.shape[1]], dtype=torch.int64, device=values.device)
+    every = rows.new_empty(world)
+    all_gather_single(every, rows, group=state.group)
+    counts = every.tolist()
+    most = max(counts)
+    padded_indices = indices.new_zeros(indices.shape[0], most)
+    padded_indices[:, : indices.shape[1]] = indices
+    padded_values = values.new_zeros(most, *values.shape[1:])
+    padded_values[: values.shape[0]] = values
+    all_indices = indices.new_empty(world * padded_indices.numel())  # flat: Gloo gathers no stacked shapes
+    all_values = values.new_empty(world * padded_values.numel())
+    all_gather_single(all_indices, padded_indices.reshape(-1), group=state.group)
+    all_gather_single(all_values, padded_values.reshape(-1), group=state.group)
+    all_indices = all_indices.view(world, *padded_indices.shape)
+    all_values = all_values.view(world, *padded_values.shape)
+    state.flat_bytes_sent += (world - 1) * (
+        padded_indices.numel() * padded_indices.element_size() + padded_values.numel() * padded_values.element_size()
+    )
+    gathered = torch.sparse_coo_tensor(
+        torch.cat([all_indices[r, :, :n] for r, n in enumerate(counts)], dim=1),
+        torch.cat([all_values[r, :n] for r, n in enumerate(counts)]),
+        buffer.shape,
+        check_invariants=False,  # the workers' own coalesced rows
+    )
+    return gathered.coalesce()  # the rows of all ranks, in rank order: duplicates summed as Gloo sums them
 
 
 def _flat(
