@@ -320,7 +320,8 @@ class Config:
         "off",
         _choice("off", "bf16", "fp16", "on", aliases={"o0": "off", "o1": "on"}, booleans=("on", "off")),
         "run every DDP model's forward under autocast: bf16, fp16 (needs trainaccel.amp.scaled(optimizer)), "
-        "on (fp16 on CUDA, bf16 on CPU); O0/O1 are aliases of off/on",
+        "on (bf16 where the hardware computes it: CPUs, A100/H100 and later GPUs; fp16 on older GPUs, which "
+        "needs scaled() too); O0/O1 are aliases of off/on",
         aliases=("--amp-level",),
     )
     amp_policy: str = _option(

@@ -31,13 +31,27 @@ log = logging.getLogger("trainaccel")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast_dtype(amp: str, device_type: str) -> torch.dtype | None:
-    """The autocast dtype for option `amp` on this device; None when `amp` is off."""
+def autocast_dtype(amp: str, device: str | torch.device) -> torch.dtype | None:
+    """The autocast dtype for option `amp` on `device` (a device or its type); None when `amp` is off.
+
+    `on` is bfloat16 wherever it is computed natively: CPUs (as before) and GPUs that have it in hardware (CUDA
+    compute capability 8.0 on: A100, H100, RTX 30xx on; ROCm). Only a GPU without it (V100, T4) gets float16, which
+    needs loss scaling (`scaled`), as bfloat16, with float32's range, does not.
+    """
     if amp == "off":
         return None
     if amp == "on":
-        return torch.float16 if device_type == "cuda" else torch.bfloat16
+        device = torch.device(device)
+        return torch.float16 if device.type == "cuda" and not native_cuda_bf16(device) else torch.bfloat16
     return _DTYPES[amp]
+
+
+def native_cuda_bf16(device: torch.device) -> bool:
+    """Whether this CUDA device computes bfloat16 in hardware (torch emulates it on older GPUs, slower than float32)."""
+    if device.index is not None and torch.cuda.is_available() and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # the query is about the current device
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 @dataclass
@@ -45,7 +59,7 @@ class _Observed:
     """What zero-code AMP sees of the training loop, shared by every model in the process."""
 
     steps: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> steps
-    lr: float | None = None  # of the optimizer that stepped last
+    lr: float | torch.Tensor | None = None  # of the optimizer that stepped last (a tensor lr is read when used)
     loss: torch.Tensor | None = None  # the last scalar backward() was called on
     scaler: torch.amp.GradScaler | None = None
     scaled: bool = False  # a scaled loss was backpropagated since the last optimizer step
@@ -58,10 +72,26 @@ class _Observed:
     # scheduler -> its optimizer's (steps, skipped) when the scheduler last advanced
     advanced: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     found_inf: torch.Tensor | None = None  # what GradScaler handed a fused optimizer's step
+    # optimizer -> how many of its fused steps skipped themselves (inf/NaN), a count on the device not read yet
+    unsettled: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     @property
     def step(self) -> int:
+        self.settle()
         return max(self.steps.values(), default=0)
+
+    def settle(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read the fused steps' skips not read yet (of `optimizer`, or all): `steps` and `skipped` are then exact.
+
+        A fused optimizer skips its own step on the device, and reading whether it did waits for the device. So the
+        count is read only when something decides by it: a scheduler's step, the policy's decision.
+        """
+        for opt in [optimizer] if optimizer is not None else list(self.unsettled.keys()):
+            count = self.unsettled.pop(opt, None)
+            skips = int(count.item()) if count is not None else 0
+            if skips:
+                self.steps[opt] -= skips
+                self.skipped[opt] += skips
 
     def update_scaler(self) -> None:
         """`GradScaler.update()` once per iteration, after every scaled optimizer has stepped."""
@@ -81,6 +111,7 @@ class AmpState:
     dtype: torch.dtype
     device_type: str
     policy: PrecisionPolicy | None = None
+    option: str = "fp16"  # the `amp` option that chose `dtype`
     forwards: int = 0
     autocast_forwards: int = 0
     decided_at: int | None = None  # the step the policy last decided at
@@ -93,7 +124,8 @@ class AmpState:
         if training and step != self.decided_at:
             before = self.policy.decision if self.decided_at is not None else None
             self.decided_at = step
-            self.policy.enabled(step=step, lr=_observed.lr, loss=_observed.loss, scaler=_observed.scaler)
+            lr = float(_observed.lr) if isinstance(_observed.lr, torch.Tensor) else _observed.lr
+            self.policy.enabled(step=step, lr=lr, loss=_observed.loss, scaler=_observed.scaler)
             if self.policy.decision != before and is_rank_zero():
                 if self.policy.decision:
                     log.info("amp: autocast from step %d", step)
@@ -105,12 +137,15 @@ class AmpState:
 def enable_amp(observer: StepObserver, config: Config) -> AmpState | None:
     """Run the model's forward under autocast as `config` says; its floating outputs come back float32."""
     model = observer.model()
-    device_type = next(model.parameters()).device.type
-    dtype = autocast_dtype(config.amp, device_type)
+    device = next(model.parameters()).device
+    device_type = device.type
+    dtype = autocast_dtype(config.amp, device)
     if dtype is None or observer.amp is not None:
         return observer.amp
     policy = None if config.amp_policy == "always" else zero_code_policy(config.amp_policy)
-    state = AmpState(dtype, device_type, policy)
+    state = AmpState(dtype, device_type, policy, option=config.amp)
+    if config.amp == "on":
+        info_once(f"amp=on: autocast in {str(dtype).removeprefix('torch.')} on {device_type}")
     if device_type == "cpu" and not native_cpu_support(dtype):
         warn_once(
             f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
@@ -144,6 +179,12 @@ def _before_forward(state: AmpState, training: bool | None, observer: StepObserv
     _observed.update_scaler()
     enabled = state.decide(training)
     if enabled and state.dtype == torch.float16 and _observed.scaler is None and training and torch.is_grad_enabled():
+        if state.option == "on":
+            raise RuntimeError(
+                "amp=on autocasts in float16 here (this GPU has no native bfloat16), which needs loss scaling, or "
+                "small gradients underflow to zero: add `optimizer = trainaccel.amp.scaled(optimizer)` after "
+                "building the optimizer, or use amp=off (this GPU only emulates bfloat16)"
+            )
         raise RuntimeError(
             "amp=fp16 needs loss scaling, or small gradients underflow to zero: add "
             "`optimizer = trainaccel.amp.scaled(optimizer)` after building the optimizer, or use amp=bf16 (a "
@@ -176,8 +217,9 @@ def scaled(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
     optimizer keeps its identity (schedulers and checkpoints see the same object).
     """
     config = context.current_config()
-    device_type = next((p.device.type for g in optimizer.param_groups for p in g["params"]), "cpu")
-    if config is None or autocast_dtype(config.amp, device_type) != torch.float16:
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    device_type = device.type
+    if config is None or autocast_dtype(config.amp, device) != torch.float16:
         return optimizer
     if getattr(optimizer, "trainaccel_scaler", None) is not None:
         return optimizer
@@ -208,9 +250,10 @@ def scaled(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
         _observed.unscaled.add(self)
         if _observed.steps.get(self, 0) == steps:  # GradScaler found inf/NaN and did not call the step
             _observed.skipped[self] += 1
-        elif _observed.found_inf is not None and _observed.found_inf.item():  # a fused step that skipped itself
-            _observed.steps[self] -= 1
-            _observed.skipped[self] += 1
+        elif _observed.found_inf is not None:  # a fused step, which skipped itself if found_inf: counted on the device
+            skip = (_observed.found_inf != 0).sum()
+            count = _observed.unsettled.get(self)
+            _observed.unsettled[self] = skip if count is None else count.add_(skip)
         return result
 
     # A bound method, as torch's schedulers expect (they wrap `optimizer.step.__func__`); the
@@ -249,7 +292,8 @@ def _observe_training_loop() -> None:
 
     def after_step(optimizer: torch.optim.Optimizer) -> None:
         _observed.steps[optimizer] = _observed.steps.get(optimizer, 0) + 1
-        _observed.lr = float(optimizer.param_groups[0]["lr"])
+        lr = optimizer.param_groups[0]["lr"]  # a tensor (capturable optimizers) is copied on its device, not read
+        _observed.lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
 
     def before_backward(loss: torch.Tensor) -> torch.Tensor:
         _observed.loss = loss.detach()
@@ -370,6 +414,7 @@ def _in_step_with_optimizer(original_step: Any) -> Any:
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or optimizer not in _observed.skipped:  # not under scaled()
             return original_step(self, *args, **kwargs)
+        _observed.settle(optimizer)
         now = (_observed.steps.get(optimizer, 0), _observed.skipped[optimizer])
         # Unseen schedulers compare with the optimizer when it was scaled: the initial step at
         # construction runs, and so does a per-epoch step after any real step in the epoch.
