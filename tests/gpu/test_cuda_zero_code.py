@@ -1,0 +1,94 @@
+"""Zero-code mode on a CUDA model in one worker (`trainaccel.init()` starts the group: NCCL for CUDA tensors):
+AMP with its GradScaler, every codec's hook, sync_every's outer codecs."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import trainaccel
+from gpu.helpers import Net, batches, train
+from trainaccel.comm import comm_state
+from trainaccel.observer import observer_of
+
+pytestmark = pytest.mark.gpu
+
+
+def ddp_of(device: torch.device) -> DistributedDataParallel:
+    torch.manual_seed(0)
+    return DistributedDataParallel(Net().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16", "on"])
+def test_zero_code_amp_trains_on_the_gpu(one_worker_env, device, amp):
+    trainaccel.init(amp=amp)
+    # What `on` means on this device: bfloat16 where it is computed natively (CPUs, A100/H100 on), else float16.
+    native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+    half = torch.bfloat16 if native else torch.float16
+    expected = {"fp16": torch.float16, "bf16": torch.bfloat16, "on": half}[amp]
+    model = ddp_of(device)
+    seen = []
+    model.module[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    optimizer = trainaccel.amp.scaled(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    losses = train(model, optimizer, batches(device, 40))
+    assert set(seen) == {expected}, "the forward did not run in the autocast dtype"
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
+    scaler = getattr(optimizer, "trainaccel_scaler", None)
+    if expected == torch.float16:
+        assert scaler is not None, "fp16 without a GradScaler"
+        assert scaler._device == device.type  # a CUDA GradScaler for a CUDA model
+        assert 0 < scaler.get_scale() <= 2.0**16  # it scaled (and unscaled: else lr x 65536 would diverge)
+    else:
+        assert scaler is None
+    assert next(model.parameters()).dtype == torch.float32  # the weights stay float32
+    with torch.no_grad():
+        assert model(batches(device, 1)[0][0]).dtype == torch.float32  # handed back in float32
+
+
+ENGINE = {
+    "none (trainaccel's hook)": {"compression": "none", "nan_check": "warn"},
+    "fp16": {"compression": "fp16"},
+    "bf16": {"compression": "bf16"},
+    "topk": {"compression": "topk", "compression_ratio": 0.1, "compression_warmup": 1},
+    "randomk": {"compression": "randomk", "compression_ratio": 0.1, "compression_warmup": 1},
+    "powersgd": {"compression": "powersgd", "compression_warmup": 1},
+    "fp16, nan_check raise, metrics, stragglers": {
+        "compression": "fp16",
+        "nan_check": "raise",
+        "metrics_every": 3,
+        "straggler_every": 3,
+    },
+    "sync_every 2, outer int8": {"sync_every": 2, "outer_compression": "int8"},
+    "sync_every 2, outer fp4": {"sync_every": 2, "outer_compression": "fp4"},
+    "sync_every 4, fragments 2, overlap 1, nesterov": {
+        "sync_every": 4,
+        "sync_fragments": 2,
+        "sync_overlap": 1,
+        "outer_optimizer": "nesterov",
+    },
+}
+
+
+@pytest.mark.parametrize("options", ENGINE.values(), ids=ENGINE.keys())
+def test_the_engine_trains_a_gpu_model(one_worker_env, device, options):
+    trainaccel.init(**options)
+    model = ddp_of(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = train(model, optimizer, batches(device, 12))
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
+    model.eval()  # a look: sync_every's replicas synced
+    assert all(p.device == device and bool(p.isfinite().all()) for p in model.parameters())
+    diloco = observer_of(model).diloco
+    if "sync_every" in options:
+        assert diloco is not None and diloco.syncs >= 12 // options["sync_every"] - 1
+        if options.get("outer_compression"):
+            feedback = diloco.outer.feedback
+            assert feedback is not None and feedback.residuals
+            assert all(r.device == device for r in feedback.residuals.values())
+    else:
+        state = comm_state(model)
+        assert not state.builtin and state.reductions == 12  # trainaccel's hook reduced every step
+        if state.feedback is not None:
+            assert all(r.device == device for r in state.feedback.residuals.values())
