@@ -12,6 +12,10 @@ import pytest
 
 import trainaccel
 
+# Inductor compiles in this process (older torch releases fork a pool of compile workers for it, which the
+# multiprocess check below would count as a process the test starts).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 SCRIPTS = Path(__file__).parent / "scripts"
 BIN = Path(sys.executable).parent
 

@@ -188,6 +188,27 @@ def test_amp_bf16_under_shard_is_fsdp2s_mixed_precision(one_rank):
     assert {p.grad.dtype for p in ddp.parameters()} == {torch.float32}
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_amp_bf16_under_shard_keeps_batch_norms_in_float32(one_rank, train):
+    """Cast to bf16 beside their float32 running statistics, batch norms failed in training and in evaluation."""
+    trainaccel.init(shard="full", amp="bf16", shard_min_params=10, start_process_group=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(288, 2)
+    )
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.train(train)
+    means = model[1].running_mean.clone()
+    with contextlib.nullcontext() if train else torch.no_grad():
+        output = ddp(torch.randn(4, 3, 8, 8))
+    assert output.dtype == torch.bfloat16 and output.isfinite().all()  # the convolution and the linear in bf16
+    assert model[1].running_mean.dtype == torch.float32
+    assert not torch.equal(means, model[1].running_mean) if train else torch.equal(means, model[1].running_mean)
+    if train:
+        output.float().sum().backward()
+        assert {p.grad.dtype for p in ddp.parameters()} == {torch.float32}
+
+
 class _WithUnused(torch.nn.Module):
     """Two used layers and one never used, each sharded on its own (shard_min_params=10)."""
 
@@ -204,6 +225,10 @@ class _WithUnused(torch.nn.Module):
 def test_no_sync_under_amp_bf16_gives_the_accumulated_gradients_with_an_unused_parameter(one_rank, find_unused):
     # FSDP2's own accumulation fails here under mixed precision (pytorch/pytorch#196996); the sum must not change.
     trainaccel.init(shard="full", amp="bf16", shard_min_params=10, start_process_group=False)
+    if find_unused and not hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params"):
+        with pytest.raises(ShardError, match=r"find_unused_parameters=True\) under shard=full needs torch 2.13"):
+            torch.nn.parallel.DistributedDataParallel(_WithUnused(), find_unused_parameters=True)
+        return  # refused in one line on a torch without it
     x1, x2 = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.ones(3, 4)
     grads = []
     for accumulate in (True, False):

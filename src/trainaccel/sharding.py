@@ -151,6 +151,21 @@ def shard(
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
+    if mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32):
+        # Batch norms compute in float32, as FSDP1 kept them out of mixed precision: cast to bf16 with their running
+        # statistics left in float32 they fail ("expected scalar type BFloat16 but found Float"). Each is a unit of
+        # its own whose policy keeps float32 and casts its input to it.
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
+        norms = [
+            m
+            for m in model.modules()
+            if isinstance(m, BATCH_NORMS) and m is not model and next(m.parameters(), None) is not None
+        ]
+        for norm in norms:
+            fully_shard(norm, **{**options, "mp_policy": full})
+        chosen = [(name, module) for name, module in chosen if all(module is not norm for norm in norms)]
     for _, module in chosen:
         fully_shard(module, **options)
     sharded = fully_shard(model, **options)
@@ -163,6 +178,9 @@ def shard(
 
         register_fsdp(sharded, replicas, compression=compression)
     return sharded
+
+
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
 # -- zero-code: `trainaccel run --shard full|hybrid` -------------------------------------------------------------
@@ -196,6 +214,12 @@ class ShardedDataParallel(DistributedDataParallel):
         self.broadcast_buffers = bound.get("broadcast_buffers", True)
         self.find_unused_parameters = bound.get("find_unused_parameters", False)
         if self.find_unused_parameters:
+            if not hasattr(self.module, "set_reduce_scatter_unused_params"):
+                raise ShardError(
+                    f"DistributedDataParallel(find_unused_parameters=True) under shard={config.shard} needs torch "
+                    f"2.13 or later (FSDP2's set_reduce_scatter_unused_params), and this is torch {torch.__version__}: "
+                    "upgrade torch, or use shard=off"
+                )
             # As DDP: a parameter this rank's forward did not use is reduced with a zero gradient from it.
             self.module.set_reduce_scatter_unused_params(True)
         self.device_ids = bound.get("device_ids")
