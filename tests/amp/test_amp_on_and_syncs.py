@@ -6,7 +6,6 @@ the loop makes (on a GPU each one waits for the device).
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import lr_scheduler
@@ -15,17 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import trainaccel
 import trainaccel.amp
 from trainaccel.amp import ddp as amp_ddp
-
-
-@pytest.fixture
-def one_worker(tmp_path, monkeypatch):
-    for name in list(__import__("os").environ):
-        if name.startswith("TRAINACCEL_"):
-            monkeypatch.delenv(name)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    trainaccel.shutdown()
 
 
 def _gpu(monkeypatch, native_bf16: bool) -> list[dict]:

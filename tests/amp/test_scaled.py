@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import clip_grad, clip_grad_norm_  # bound by name before any patch, as scripts do
@@ -12,36 +11,7 @@ from torch.optim import lr_scheduler
 
 import trainaccel
 import trainaccel.amp
-
-
-@pytest.fixture
-def one_worker(tmp_path, monkeypatch):
-    for name in list(__import__("os").environ):
-        if name.startswith("TRAINACCEL_"):
-            monkeypatch.delenv(name)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    originals = _patchable()
-    yield
-    dist.destroy_process_group()
-    trainaccel.shutdown()
-    assert _patchable() == originals  # shutdown() undid every patch
-
-
-def _patchable() -> dict[str, object]:
-    """What zero-code AMP patches: Tensor.backward, the clipping functions, the schedulers' step."""
-    found = {"Tensor.backward": vars(torch.Tensor)["backward"]}
-    for module in (torch.nn.utils, clip_grad):
-        found.update(
-            {
-                f"{module.__name__}.{name}": value
-                for name, value in vars(module).items()
-                if "clip" in name or "total_norm" in name
-            }
-        )
-    for name, cls in vars(lr_scheduler).items():
-        if isinstance(cls, type) and "step" in vars(cls):
-            found[f"{name}.step"] = vars(cls)["step"]
-    return found
+from amp.helpers import patchable
 
 
 def _model() -> nn.Module:
@@ -247,10 +217,10 @@ def test_a_scheduler_stepped_per_epoch_advances_when_any_step_of_the_epoch_was_r
 
 
 def test_reset_restores_every_function_it_patched(one_worker):
-    originals = _patchable()
+    originals = patchable()
     trainaccel.init(amp="fp16", start_process_group=False)
     trainaccel.amp.scaled(torch.optim.SGD(_model().parameters(), lr=0.1))
-    patched = _patchable()
+    patched = patchable()
     assert {name for name in originals if patched[name] is not originals[name]} == {
         "Tensor.backward",
         *(
@@ -274,6 +244,6 @@ def test_reset_restores_every_function_it_patched(one_worker):
     }
     assert torch.nn.utils.clip_grad_norm_ is clip_grad.clip_grad_norm_  # one wrapper, wherever it is reached
     trainaccel.shutdown()
-    assert _patchable() == originals
+    assert patchable() == originals
     assert torch.nn.utils.clip_grad_norm_ is clip_grad_norm_
     assert vars(lr_scheduler.LRScheduler)["step"].__qualname__ == "LRScheduler.step"
