@@ -12,7 +12,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 import trainaccel
 from conftest import SCRIPTS, read_ranks, run, run_nodes, torchrun_cmd, trainaccel_cmd
 from trainaccel import Config, ConfigError
-from trainaccel.sharding import ShardedDataParallel, ShardError, blocks, native_state_dicts, shard
+from trainaccel.sharding import OLDEST_TORCH, ShardedDataParallel, ShardError, blocks, native_state_dicts, shard
+
+# Below sharding's floor every sharded run is refused in one line (test_a_torch_older_than_shardings_floor_...).
+pytestmark = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < OLDEST_TORCH,
+    reason=f"shard needs torch {OLDEST_TORCH} or later; this torch is refused in one line",
+)
 
 
 def mlp(*widths):
@@ -144,6 +150,14 @@ def test_ddp_becomes_sharded_under_init_and_plain_again_after_shutdown(one_rank)
     assert type(torch.nn.parallel.DistributedDataParallel(mlp(4, 2))) is torch.nn.parallel.DistributedDataParallel
 
 
+def test_a_torch_older_than_shardings_floor_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cu126")
+    for call in (lambda: trainaccel.init(shard="hybrid", start_process_group=False), lambda: shard(mlp(4, 2), "full")):
+        with pytest.raises(ShardError, match=r"shard=(hybrid|full) needs torch 2.9 or later, and this is torch 2.8.0"):
+            call()
+        trainaccel.shutdown()
+
+
 def test_buffers_cross_in_one_broadcast_per_dtype_each_step(one_rank, monkeypatch):
     """As DDP coalesces them: a BatchNorm's running mean and variance (float) and its count (int64), 2 calls."""
     trainaccel.init(shard="full", shard_min_params=10, start_process_group=False)
@@ -271,6 +285,9 @@ def test_parameters_unused_on_some_ranks_are_reduced_as_ddp_reduces_them(tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     command = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, "--shard", "full"]
     proc = run([*command, script, tmp_path / "full", "--unused"], env={"TRAINACCEL_SHARD_MIN_PARAMS": "1000"})
+    if not hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params"):  # before torch 2.13
+        assert proc.returncode != 0 and "under shard=full needs torch 2.13" in proc.stdout + proc.stderr
+        return
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_same_training(read_ranks(tmp_path / "full", 2), read_ranks(tmp_path / "ddp", 2), 1e-5, [2])
 

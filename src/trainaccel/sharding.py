@@ -126,6 +126,7 @@ def shard(
 
     if mode not in MODES:
         raise ValueError(f"invalid mode={mode!r}; accepted: {', '.join(MODES)}")
+    require_torch(mode)
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
         raise ValueError(f"invalid min_params={min_params!r}; accepted: an integer >= 1 (parameters per block)")
     if compression != "none" and mode != "hybrid":
@@ -178,6 +179,20 @@ def shard(
 
         register_fsdp(sharded, replicas, compression=compression)
     return sharded
+
+
+OLDEST_TORCH = (2, 9)  # sharding's own floor, above the package's (2.7)
+
+
+def require_torch(mode: str) -> None:
+    """Sharding only on a torch whose FSDP2 was seen to train as DDP here; a one-line refusal elsewhere."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < OLDEST_TORCH:
+        raise ShardError(
+            f"shard={mode} needs torch {'.'.join(map(str, OLDEST_TORCH))} or later, and this is torch "
+            f"{torch.__version__}: on 2.7 FSDP2's hybrid sharding fails on Gloo (ReduceOp.AVG) and full sharding "
+            "ended off plain DDP's losses in our tests; upgrade torch, or use shard=off"
+        )
 
 
 BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
@@ -461,6 +476,7 @@ def full_parameters(module: torch.nn.Module) -> None:
 def install() -> None:
     """Every `DistributedDataParallel(model)` built from now on under `shard` is a ShardedDataParallel (undone by
     shutdown; the config is read at each construction)."""
+    require_torch(current_config().shard if current_config() is not None else "full")
     if not context.first_time("DDP sharding"):
         return
 
