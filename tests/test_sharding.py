@@ -17,7 +17,7 @@ from trainaccel.sharding import OLDEST_TORCH, ShardedDataParallel, ShardError, b
 # Below sharding's floor every sharded run is refused in one line (test_a_torch_older_than_shardings_floor_...).
 pytestmark = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < OLDEST_TORCH,
-    reason=f"shard needs torch {OLDEST_TORCH} or later; this torch is refused in one line",
+    reason=f"shard needs torch {'.'.join(map(str, OLDEST_TORCH))} or later; this torch is refused in one line",
 )
 
 
