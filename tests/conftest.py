@@ -12,6 +12,21 @@ import pytest
 
 import trainaccel
 
+# Full smoke runs of the benchmark commands and the slow-link demo take minutes: CI keeps their faster siblings
+# (test_demo_measures_every_arm, the bench commands' option tests); `pytest -m bench_full` or TRAINACCEL_BENCH_FULL=1
+# runs them too.
+BENCH_FULL = "bench_full"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if BENCH_FULL in (config.getoption("markexpr") or "") or os.environ.get("TRAINACCEL_BENCH_FULL") == "1":
+        return
+    dropped = [item for item in items if item.get_closest_marker(BENCH_FULL) is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.get_closest_marker(BENCH_FULL) is None]
+
+
 # Inductor compiles in this process (older torch releases fork a pool of compile workers for it, which the
 # multiprocess check below would count as a process the test starts).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -62,6 +62,7 @@ def test_demo_measures_every_arm(tmp_path):
     assert fp16["bytes_per_step"] == plain["bytes_per_step"] / 2
 
 
+@pytest.mark.bench_full
 @pytest.mark.multiprocess
 @pytest.mark.skipif(why_not_emulated() is not None, reason="needs root and iproute2 to build network namespaces")
 def test_demo_on_a_slow_link_reports_time_and_validation_loss_per_arm(tmp_path):

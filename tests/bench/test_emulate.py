@@ -130,6 +130,7 @@ def test_emulate_without_root_says_what_is_needed(monkeypatch):
             pass
 
 
+@pytest.mark.bench_full
 @pytest.mark.multiprocess
 @needs_netns
 def test_bench_train_on_an_emulated_cluster_writes_json(tmp_path):

@@ -157,6 +157,7 @@ def test_bad_flags_stop_before_any_worker_starts(flags, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.bench_full
 @pytest.mark.multiprocess
 def test_a_tiny_run_of_every_arm_reports_curves_quality_and_bytes(tmp_path):
     out = tmp_path / "quality.json"

@@ -10,6 +10,7 @@ from trainaccel.bench.recsys import criteo_cardinalities
 MLP_PARAMETERS = 18_834_408
 
 
+@pytest.mark.bench_full
 @pytest.mark.multiprocess
 def test_bench_train_tiny_run_writes_well_formed_json_and_arms_see_only_their_options(tmp_path):
     # One run for both concerns (each arm is a 2-worker job): the report's shape, and the options each arm sees.
