@@ -52,10 +52,7 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 def uses_cpu(group: dist.ProcessGroup | None = None) -> bool:
     """Whether `group` reduces CPU tensors (a CPU backend, alone or beside NCCL)."""
-    backend = str(dist.get_backend(group)).lower()
-    if ":" in backend:  # "cpu:gloo,cuda:nccl": a backend per device type
-        return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
-    return backend in CPU_BACKENDS
+    return backend_of(group, torch.device("cpu")) in CPU_BACKENDS
 
 
 def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
@@ -63,5 +60,5 @@ def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
     backend = str(dist.get_backend(group)).lower()
     if ":" not in backend:
         return backend
-    parts = dict(part.strip().split(":", 1) for part in backend.split(","))
+    parts = dict(part.strip().split(":", 1) for part in backend.split(","))  # a backend per device type
     return parts.get(device.type, backend)

@@ -101,13 +101,7 @@ class DiLoCo:
         given["outer_lr"] = outer_lr
         given["outer_momentum"], given["sync_warmup"] = outer_momentum, sync_warmup
         given["sync_fragments"], given["sync_overlap"] = sync_fragments, sync_overlap
-        config = resolve(config, {k: v for k, v in given.items() if v is not None})
-        if config.sync_every != "auto" and config.sync_every < 1:
-            raise ValueError(
-                f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1, or auto, for DiLoCo"
-            )
-        if not dist.is_initialized():
-            raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
+        config = resolve(config, {k: v for k, v in given.items() if v is not None})  # OuterSync checks sync_every
         if config.sync_warmup and not isinstance(model, DistributedDataParallel):
             raise ValueError(
                 f"sync_warmup={config.sync_warmup} needs a DDP model: its gradient exchange runs the warm-up steps"

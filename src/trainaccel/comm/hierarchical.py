@@ -68,6 +68,7 @@ class HierarchicalReduce:
         self.bytes_sent = 0  # received across nodes
         self.intra_bytes_sent = 0
         self._velocity: tuple[tuple[torch.Tensor, ...], int] | None = None  # the reduction in progress's (chunks)
+        self._scatter_by_allreduce = False  # the reduction in progress's first stage: see `reduce`
 
     def reduce(
         self, buffer: torch.Tensor, key: Any, velocity: torch.Tensor | None = None, *, replicated: bool = False
@@ -80,6 +81,13 @@ class HierarchicalReduce:
         """
         chunk = max(1, int(self.chunk_mb * 2**20) // buffer.element_size())
         self._velocity = None if velocity is None else (velocity.split(chunk), chunk)
+        # Gloo's reduce-scatter is several times slower than its allreduce: on Gloo (the backend of the buffer's
+        # device: "cpu:gloo,cuda:nccl" reduces CPU tensors with Gloo) the first stage allreduces the whole buffer
+        # inside the node and keeps this worker's shard. A lossy codec in the node does so too: every worker of the
+        # node must see the whole sum to decide alike whether it is finite.
+        self._scatter_by_allreduce = (
+            self.intra_codec.lossy or backend_of(self.topology.intra_group, buffer.device) == "gloo"
+        )
         fallbacks: list[tuple[str, str]] = []
         stages: list[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
         first = self._take_shard if replicated else self._start_sum_in_node
@@ -116,11 +124,7 @@ class HierarchicalReduce:
             self.intra_feedback.update(key, full, self.intra_codec, payload, ctx)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
         group, offset = self.topology.intra_group, self.topology.local_index * shard_size
-        # Gloo's reduce-scatter is several times slower than its allreduce: on Gloo (the backend of this part's
-        # device: "cpu:gloo,cuda:nccl" reduces CPU tensors with Gloo) the first stage allreduces the whole buffer
-        # inside the node and keeps this worker's shard. A lossy codec in the node does so too: every worker of the
-        # node must see the whole sum to decide alike whether it is finite.
-        if self.intra_codec.lossy or backend_of(group, payload.device) == "gloo":
+        if self._scatter_by_allreduce:
             work = dist.all_reduce(payload, group=group, async_op=True)
             shard_payload = payload.narrow(0, offset, shard_size)
         else:
