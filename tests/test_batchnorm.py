@@ -31,3 +31,25 @@ def test_conversion_keeps_parameters_buffers_and_mode():
 def test_node_scope_needs_the_process_group():
     with pytest.raises(RuntimeError, match="scope='node' needs the process group started"):
         convert_sync_batchnorm(nn.BatchNorm1d(2), scope="node")
+
+
+@pytest.mark.parametrize("n, reads", [(8, 0), (1, 1)])
+def test_gathered_statistics_read_nothing_on_the_host_unless_a_rank_has_one_value(monkeypatch, n, reads):
+    # On a GPU a host read waits for the device, once per BatchNorm layer per step: only a rank whose own batch has
+    # at most one value per channel needs the joined count (to refuse a single-value batch as BatchNorm does).
+    from trainaccel.batchnorm import gathered_batch_norm, running_stats_factor
+
+    seen = []
+    original = torch.Tensor.__int__
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: seen.append(t) or original(t))
+    bn = nn.BatchNorm1d(3)
+    x = torch.randn(n, 3)
+    if n == 1:
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+            gathered_batch_norm(bn, x, running_stats_factor(bn), None)
+    else:
+        out = gathered_batch_norm(bn, x, running_stats_factor(bn), None)
+        reference = nn.BatchNorm1d(3)
+        torch.testing.assert_close(out, reference(x))
+        torch.testing.assert_close(bn.running_var, reference.running_var)
+    assert len(seen) == reads

@@ -66,7 +66,9 @@ def gathered_batch_norm(
     stats = _AllGather.apply(stats, group) if world > 1 else stats.unsqueeze(0)
     counts, means, m2s = stats.unbind(1)
     total = counts.sum(0)
-    count = int(total[0])  # on the host, to refuse single-value batches as BatchNorm does
+    # Single-value batches are refused as BatchNorm does. Only a rank with at most one value of its own reads the
+    # joined count on the host (on a GPU that read waits for the device): with more, the joined batch has more too.
+    count = n if n > 1 else int(total[0])
     if count <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got {count} across {world} worker(s)")
     mean = (counts * means).sum(0) / total
@@ -74,7 +76,7 @@ def gathered_batch_norm(
     if bn.training and bn.running_mean is not None:
         with torch.no_grad():
             bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
-            unbiased = (m2 / (count - 1)).to(bn.running_var.dtype)
+            unbiased = (m2 / (total - 1)).to(bn.running_var.dtype)
             bn.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
     scale = torch.rsqrt(m2 / total + bn.eps)
     if bn.weight is not None:

@@ -216,3 +216,79 @@ def test_block_codecs_send_their_codes_exactly_and_flag_non_finite_input(name):
     tiny = torch.tensor([1e-40, -3e-41, 0.0, 2e-45] * 64)
     decoded = codec.decompress(*codec.compress(tiny))
     assert bool(decoded.isfinite().all()) and float((decoded - tiny).abs().max()) <= 1e-40
+
+
+def _sum_through(codec, inputs):
+    """What every rank decodes from `inputs` (one per rank) summed through `codec`."""
+    from trainaccel.comm.exchange import decode
+
+    encoded = [codec.compress(t.clone(), "key") for t in inputs]
+    payloads = [p for p, _ in encoded]
+    parts = [torch.stack(payloads).sum(0)] if codec.summable else payloads
+    return decode(codec, parts, encoded[0][1])
+
+
+FINITENESS = [
+    ("bf16", torch.float32),
+    ("bf16", torch.bfloat16),
+    ("int8", torch.float32),
+    ("fp4", torch.float32),
+    ("topk", torch.float32),
+    ("topk", torch.float16),
+]
+
+
+@pytest.mark.parametrize("name, dtype", FINITENESS)
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("where", [0, 777, 4095])
+def test_codecs_that_skip_the_host_check_show_every_non_finite_input_in_the_sum(name, dtype, bad, where):
+    # What skipping the host read relies on: a non-finite gradient on any rank makes the decoded sum non-finite
+    # (a GradScaler then skips the step, as under plain DDP), and the residual keeps nothing of it.
+    codec = get_codec(name)
+    assert codec.keeps_finiteness
+    g = torch.Generator().manual_seed(where)
+    inputs = [torch.randn(4096, generator=g).to(dtype) for _ in range(3)]
+    inputs[1][where] = bad
+    assert not _sum_through(codec, inputs).isfinite().all()
+    feedback = ErrorFeedback(momentum=0.9)
+    corrected = feedback.correct("key", inputs[1], 1.0)
+    payload, ctx = codec.compress(corrected, "key")
+    feedback.update("key", corrected, codec, payload, ctx)
+    assert feedback.residuals["key"].isfinite().all() and feedback.velocities["key"].isfinite().all()
+
+
+@pytest.mark.parametrize("name, dtype", FINITENESS)
+def test_codecs_that_skip_the_host_check_keep_finite_sums_finite(name, dtype):
+    # Gradients near the dtype's largest value (divided by the world size, as the engine sends them, with a factor
+    # of 2 for the rounding of a narrower payload at the top of the range) and subnormals.
+    top = torch.finfo(dtype).max / 8
+    inputs = [torch.tensor([top, -top, 1e-40, 0.0, 3.0] * 100, dtype=dtype) for _ in range(4)]
+    assert _sum_through(get_codec(name), inputs).isfinite().all()
+
+
+def test_codecs_that_keep_the_host_check_need_it():
+    # float16 overflows where the exact float32 sum does not; random-k leaves a non-finite element out of its values
+    # (only its flag element, which the check reads, tells of it).
+    assert not get_codec("fp16").keeps_finiteness and not get_codec("randomk").keeps_finiteness
+    assert get_codec("bf16").keeps_finiteness and not CastCompression("bf16", torch.bfloat16, 2.0).keeps_finiteness
+    assert not _sum_through(get_codec("fp16"), [torch.full((8,), 40000.0)] * 2).isfinite().all()
+    hidden = torch.tensor([5.0] * 99 + [math.nan])
+    assert 99 not in RandomK(0.01).compress(hidden, "key")[1][1].tolist()  # the same draw as `_sum_through`'s
+    assert _sum_through(RandomK(0.01), [hidden, hidden]).isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "name, world, warned",
+    [("int8", 4, False), ("int8", 8, True), ("fp4", 8, False), ("fp4", 16, True), ("topk", 64, False)],
+)
+def test_a_gathered_codec_says_when_it_receives_more_than_a_float32_allreduce(name, world, warned, caplog):
+    # int8 receives (world - 1) x 1.02 bytes per element, fp4 (world - 1) x 0.52, top-k at 1% (world - 1) x 0.08; a
+    # ring allreduce of float32 2 x 4 x (world - 1) / world: int8 costs more from 8 workers, fp4 from 16.
+    from trainaccel.comm.exchange import warn_if_gathering_costs_more
+
+    with caplog.at_level("WARNING", logger="trainaccel"):
+        warn_if_gathering_costs_more(get_codec(name), world, "gradient")
+        for summable in ("fp16", "bf16", "randomk"):
+            warn_if_gathering_costs_more(get_codec(summable), 1024, "gradient")
+    said = [r.getMessage() for r in caplog.records if "gathers every worker's payload" in r.getMessage()]
+    assert len(said) == warned and all(f"compression={name} " in m for m in said), said

@@ -73,3 +73,25 @@ def test_half_precision_models_train_like_plain_ddp(matrix, codec, setting):
     for hierarchical in ("off", "on"):
         final = matrix[f"{codec}/{hierarchical}/{setting}"]["final"]
         assert abs(final / plain - 1) <= 0.05, (hierarchical, final, plain)
+
+
+# Codecs whose sums are read on the host, once per bucket on the communication thread, to choose an exact retry.
+READ_FOR_RETRY = {"fp16": "comm finite", "randomk": "comm finite", "powersgd": "comm _powersgd_bucket"}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("hierarchical", ["off", "on"])
+@pytest.mark.parametrize("codec", CODECS)
+def test_cell_reads_nothing_on_the_training_thread(matrix, codec, hierarchical, setting):
+    # A host read waits for the device on a GPU: none may stop the training thread, and on the communication
+    # thread only nan_check's (on in every cell) and the exact-retry decision of the codecs that need one.
+    cell = matrix[f"{codec}/{hierarchical}/{setting}"]
+    reads, steps = cell["host_reads"], cell["steps_counted"]
+    assert not [where for where in reads if where.startswith("training ")], reads
+    allowed = {"comm _check_finite", READ_FOR_RETRY.get(codec)}
+    assert set(reads) <= allowed, reads
+    models = 2 if setting == "two_models" else 1
+    if setting != "sparse":  # a sparse gradient has a bucket of its own, which nan_check reads too
+        assert reads.get("comm _check_finite", 0) <= steps * models * 2, reads  # one per bucket
+    if codec in READ_FOR_RETRY and codec != "powersgd":
+        assert 0 < reads.get(READ_FOR_RETRY[codec], 0) <= steps * models * 2, reads  # one per bucket, however gathered

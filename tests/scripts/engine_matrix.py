@@ -4,13 +4,17 @@ Run as 2 emulated nodes x 2 workers. For each cell a small regression task is tr
 steps through `trainaccel.comm.register`; plain DDP (no hook) is trained once per setting as the
 reference. Rank 0 writes OUT_DIR/matrix.json: per cell the first and final evaluation loss, whether
 every parameter is bitwise equal on all ranks, the largest difference from plain DDP's parameters,
-the exact retries and the steps the engine saw skipped.
+the exact retries, the steps the engine saw skipped, and trainaccel's host reads of tensors (bool, item, tolist...)
+from step 3 on, by thread: on a GPU each of them waits for the device.
 Usage: engine_matrix.py OUT_DIR [CODEC,...]
 """
 
+import collections
 import contextlib
 import json
+import os
 import sys
+import threading
 import time
 
 import torch
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import trainaccel
 from trainaccel.comm import register
 
 STEPS, SPIKE_STEP, SPIKE, SKIP_NORM = 30, 12, 1e8, 1e4
@@ -36,6 +41,29 @@ SETTINGS = [
     "two_models",
     "spike",
 ]
+
+SOURCE = os.path.dirname(trainaccel.__file__)
+reads: collections.Counter = collections.Counter()  # (thread, function) -> host reads while `counting`
+counting = False
+
+
+def count_reads(name: str) -> None:
+    """Count the calls of `torch.Tensor.<name>` made directly by trainaccel's code, by thread and function."""
+    original = getattr(torch.Tensor, name)
+
+    def read(self, *args, **kwargs):
+        if counting:
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(SOURCE):
+                thread = "training" if threading.current_thread() is threading.main_thread() else "comm"
+                reads[f"{thread} {caller.co_name}"] += 1
+        return original(self, *args, **kwargs)
+
+    setattr(torch.Tensor, name, read)
+
+
+for method in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
+    count_reads(method)
 
 teacher = torch.Generator().manual_seed(1234)
 W1, W2 = torch.randn(IN, HIDDEN, generator=teacher) / IN**0.5, torch.randn(HIDDEN, OUT, generator=teacher) / HIDDEN**0.5
@@ -110,10 +138,16 @@ def evaluate(models: list[DDP], setting: str) -> float:
 
 def train(setting: str, options: dict | None, spike: float = 1.0) -> dict:
     """Train one cell; `spike` multiplies the loss at SPIKE_STEP (the script then skips that step, as its check says)."""
+    global counting
     models, states, optimizers = build(setting, options)
+    reads.clear()
+    counted = 0
     data = torch.Generator().manual_seed(dist.get_rank())
     first, skipped = evaluate(models, setting), []
     for step in range(1, STEPS + 1):
+        # The spiked step and the one after it take the exact retry and drop residuals: their reads are expected.
+        counting = step >= 3 and not (setting == "spike" and step in (SPIKE_STEP, SPIKE_STEP + 1))
+        counted += counting
         if setting == "find_unused":
             models[0].module.use_branch = step % 2 == 0
         micro = 2 if setting == "no_sync" else 1
@@ -134,6 +168,7 @@ def train(setting: str, options: dict | None, spike: float = 1.0) -> dict:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    counting = False
     params = torch.cat([p.detach().double().flatten() for m in models for p in m.parameters()])
     gathered = [torch.empty_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, params)
@@ -146,6 +181,8 @@ def train(setting: str, options: dict | None, spike: float = 1.0) -> dict:
         "skipped_by_engine": sum(s.skipped_steps for s in states if s is not None and not s.builtin),
         "skipped": skipped,
         "hierarchical": any(s.hierarchical for s in states if s is not None),
+        "host_reads": dict(reads),
+        "steps_counted": counted,
     }
 
 

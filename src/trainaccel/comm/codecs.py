@@ -24,6 +24,9 @@ class Codec(Protocol):
     name: str
     summable: bool  # payloads may be summed by allreduce (else: gathered and decoded one by one)
     lossy: bool  # decompress(compress(t)) differs from t: error feedback applies
+    # The decoded sum is finite exactly when the exact sum is (finite inputs never overflow the payload, a non-finite
+    # one always shows in the sum): then no host read is needed to choose an exact retry (`exchange.needs_check`).
+    keeps_finiteness: bool
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]: ...
 
@@ -33,7 +36,7 @@ class Codec(Protocol):
 class NoCompression:
     """Send the buffer as it is (lossless; no error feedback, so the payload may be the buffer)."""
 
-    name, summable, lossy = "none", True, False
+    name, summable, lossy, keeps_finiteness = "none", True, False, True
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
         return tensor, None
@@ -56,6 +59,9 @@ class CastCompression:
         self.name, self.dtype = name, dtype
         self.dynamic = scale == "dynamic"
         self.scale = 1.0 if self.dynamic else float(scale)
+        # bfloat16 has float32's range: unscaled, its sums overflow where float32's do (give or take one rounding at
+        # the very top of that range). float16's overflow much sooner, and a scale may push bfloat16 beyond it.
+        self.keeps_finiteness = dtype == torch.bfloat16 and self.scale == 1.0 and not self.dynamic
         # Per key: [scale, sums since the last change]; equal on every rank (every rank sees the same sums).
         self.scales: dict[Any, list] | None = {} if self.dynamic else None
 
@@ -91,6 +97,7 @@ class TopK:
     """Send the `ratio` largest-magnitude elements as (values, int32 indices) in one float32 payload."""
 
     name, summable, lossy = "topk", False, True
+    keeps_finiteness = True  # a non-finite element has the largest magnitude (NaN sorts above Inf): it is always sent
 
     def __init__(self, ratio: float, seed: int = 0, adaptive: AdaptiveRatio | None = None):
         self.ratio, self.adaptive = ratio, adaptive
@@ -131,6 +138,10 @@ class TopK:
         values, indices = self._unpack(payload)
         out.index_add_(0, indices, values.to(out.dtype))
 
+    def payload_bytes(self, n: int) -> int:
+        """The bytes of one payload for `n` elements (at the starting ratio)."""
+        return 8 * max(1, math.ceil(n * self.ratio))
+
     def _top_indices(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
         n = magnitude.numel()
         # On a GPU torch's top-k is fast, and the sampled threshold below would stop the host on
@@ -161,6 +172,7 @@ class RandomK:
     """
 
     name, summable, lossy = "randomk", True, True
+    keeps_finiteness = False  # only the payload's flag element tells of a non-finite element not sent
 
     def __init__(self, ratio: float, seed: int = 0, adaptive: AdaptiveRatio | None = None):
         self.ratio, self.seed, self.adaptive = ratio, seed, adaptive
@@ -215,7 +227,8 @@ class BlockQuantized:
     nearest code, so error feedback carries what it drops.
     """
 
-    summable, lossy = False, True
+    # A non-finite input makes its block's scale, hence its decoded block, non-finite; finite scales decode finite.
+    summable, lossy, keeps_finiteness = False, True, True
     BLOCK = 256
     FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
     # The midpoints between E2M1's magnitudes are multiples of 1/4: floor(4 |x|) picks the nearest code by table.
@@ -259,6 +272,10 @@ class BlockQuantized:
             codes = (code[:, 0::2] | (code[:, 1::2] << 4)).reshape(-1)
         payload = torch.cat([scales.view(torch.uint8), codes])
         return payload, (n, tensor.dtype, blocks)
+
+    def payload_bytes(self, n: int) -> int:
+        """The bytes of one payload for `n` elements: a float32 scale and the codes of each block."""
+        return -(-n // self.BLOCK) * (4 + (self.BLOCK if self.name == "int8" else self.BLOCK // 2))
 
     def values(self, payload: torch.Tensor) -> torch.Tensor:
         """The scales (the finiteness check: a non-finite input makes its block's scale non-finite)."""
@@ -358,6 +375,12 @@ class ErrorFeedback:
         if mask:
             self.velocities[key].masked_fill_(sent != 0, 0.0)
         corrected.sub_(sent)
+        if getattr(codec, "keeps_finiteness", False):
+            # No host read decides whether this sum was finite (its non-finite sum is passed on, as plain DDP's),
+            # so what a non-finite gradient left here is dropped on the device: it must not reach later steps.
+            corrected.nan_to_num_(0.0, 0.0, 0.0)
+            if self.momentum:
+                self.velocities[key].nan_to_num_(0.0, 0.0, 0.0)
 
     def clear(self, key: Any) -> None:
         """Forget what `key`'s residual (and velocity) held: after an exact exchange, or a non-finite one."""

@@ -4,6 +4,8 @@
 finite (a value beyond the codec's range, or a non-finite gradient) it reduces the input again
 exactly, on every rank alike, and clears the residual. Callers finish exchanges in one order on
 every rank (the engine's communication thread, or the caller's own thread), so the retries match.
+That decision reads the sum on the host (one read per exchange): codecs whose sum is finite exactly
+when the exact one is (`keeps_finiteness`: bf16, int8, fp4) skip it, so on a GPU nothing waits.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ class Pending:
         out: torch.Tensor | None,
         span_name: str | None,
         velocity: torch.Tensor | None = None,
+        check: bool | None = None,
     ):
         self.codec, self.feedback, self.key, self.group, self.scale = codec, feedback, key, group, scale
+        self.check = codec.lossy and (check if check is not None else needs_check(codec))
         self.tensor, self.out = tensor, out
         self.trace = timeline.current()
         began = time.perf_counter() if self.trace is not None else 0.0
@@ -93,7 +97,7 @@ class Pending:
         if self.trace is not None:
             self.trace.span(self.collective, self.issued, arrived, timeline.bucket_track(self.key), bytes=self.sent)
         # Every rank holds the same summed or gathered payloads, so every rank decides alike.
-        if self.codec.lossy and not all(bool(_values(self.codec, part).isfinite().all()) for part in self.parts):
+        if self.check and not finite(self.codec, self.parts):
             note_overflow(self.codec, self.key)
             return self._exact()
         total = decode(self.codec, self.parts, self.ctx, self.out)
@@ -109,6 +113,27 @@ class Pending:
         dist.all_reduce(exact, group=self.group)
         fallback = EXACT if bool(exact.isfinite().all()) else NOT_FINITE
         return Outcome(exact, self.sent + exact.numel() * exact.element_size(), fallback)
+
+
+def warn_if_gathering_costs_more(codec: Codec, world: int, what: str, option: str = "compression") -> None:
+    """Say once when a gathered codec makes each worker receive more than a float32 allreduce would at `world`.
+
+    A gathered payload grows with the workers (each receives every other's, and holds all of them): past a few
+    workers int8 and fp4 receive more than the ring allreduce of the uncompressed float32 values they replace.
+    """
+    payload_bytes = getattr(codec, "payload_bytes", None)
+    if codec.summable or payload_bytes is None or world < 2:
+        return
+    n = 1 << 20
+    received = (world - 1) * payload_bytes(n) / n  # bytes per element
+    dense = 2 * 4 * (world - 1) / world  # a ring allreduce of float32: reduce-scatter, then all-gather
+    if received > dense:
+        warn_once(
+            f"{option}={codec.name} gathers every worker's payload: with {world} workers each receives "
+            f"{received:.1f} bytes per {what} element, {received / dense:.1f}x a float32 allreduce's {dense:.1f}, and "
+            f"holds {world * payload_bytes(n) / n / 4:.1f}x the float32 values in memory while decoding; a summable "
+            "codec (bf16, fp16) does not grow with the workers"
+        )
 
 
 def say_fallback(name: str, where: str, fallback: str, step: int | None = None) -> None:
@@ -127,6 +152,17 @@ def say_fallback(name: str, where: str, fallback: str, step: int | None = None) 
             "as plain DDP would (a GradScaler skips such a step) and the residual is cleared; later cases are "
             "logged at debug level"
         )
+
+
+def needs_check(codec: Codec) -> bool:
+    """Whether a sum through `codec` must be read on the host to choose an exact retry (see `keeps_finiteness`)."""
+    return codec.lossy and not getattr(codec, "keeps_finiteness", False)
+
+
+def finite(codec: Codec, parts: list[torch.Tensor]) -> bool:
+    """Whether every payload's values are finite: one read on the host, however many parts were gathered."""
+    flags = [_values(codec, part).isfinite().all() for part in parts]
+    return bool(flags[0] if len(flags) == 1 else torch.stack(flags).all())
 
 
 def note_overflow(codec: Codec, key: Any) -> None:
@@ -152,15 +188,17 @@ def start_exchange(
     out: torch.Tensor | None = None,
     span_name: str | None = None,
     velocity: torch.Tensor | None = None,
+    check: bool | None = None,
 ) -> Pending:
     """Start summing `scale * tensor` over `group` through `codec` (error feedback keyed by `key`).
 
     `velocity` starts the feedback's momentum for `key` if it has none. `tensor` is scaled in place
     only without feedback. A codec with `accumulate` decodes into
     `out` when given (a tensor of `tensor`'s shape whose values are no longer needed). With a
-    timeline open, `key`'s track gets encode, `span_name` (default: the collective) and decode spans.
+    timeline open, `key`'s track gets encode, `span_name` (default: the collective) and decode spans. `check`: read
+    the sum's finiteness on the host for the exact retry always (True), or where the codec needs it (None).
     """
-    return Pending(codec, feedback, tensor, key, group, scale, out, span_name, velocity)
+    return Pending(codec, feedback, tensor, key, group, scale, out, span_name, velocity, check)
 
 
 def decode(codec: Codec, parts: list[torch.Tensor], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:

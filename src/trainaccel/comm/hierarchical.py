@@ -20,6 +20,7 @@ from trainaccel.comm.exchange import (
     EXACT,
     NOT_FINITE,
     all_gather_single,
+    needs_check,
     note_overflow,
     reduce_scatter_single,
     start_exchange,
@@ -57,6 +58,7 @@ class HierarchicalReduce:
         intra_codec: Codec | None = None,
         intra_feedback: ErrorFeedback | None = None,
         chunk_mb: float = 4.0,
+        check: bool | None = None,
     ):
         if topology.why_flat() is not None:
             raise ValueError(f"no hierarchy to reduce over: {topology.why_flat()}")
@@ -65,6 +67,8 @@ class HierarchicalReduce:
         # Buffers cross the pipeline in chunks, so that one chunk crosses nodes while the next
         # is summed in the node: with whole DDP buckets the link idles during the intra stages.
         self.chunk_mb = chunk_mb
+        # Whether sums are read on the host for the exact retry: always (True), or where the codec needs it (None).
+        self.check = check
         self.bytes_sent = 0  # received across nodes
         self.intra_bytes_sent = 0
         self._velocity: tuple[tuple[torch.Tensor, ...], int] | None = None  # the reduction in progress's (chunks)
@@ -83,10 +87,10 @@ class HierarchicalReduce:
         self._velocity = None if velocity is None else (velocity.split(chunk), chunk)
         # Gloo's reduce-scatter is several times slower than its allreduce: on Gloo (the backend of the buffer's
         # device: "cpu:gloo,cuda:nccl" reduces CPU tensors with Gloo) the first stage allreduces the whole buffer
-        # inside the node and keeps this worker's shard. A lossy codec in the node does so too: every worker of the
-        # node must see the whole sum to decide alike whether it is finite.
+        # inside the node and keeps this worker's shard. A codec in the node whose sum is read for finiteness does so
+        # too: every worker of the node must see the whole sum to decide alike whether it is finite.
         self._scatter_by_allreduce = (
-            self.intra_codec.lossy or backend_of(self.topology.intra_group, buffer.device) == "gloo"
+            self._checks(self.intra_codec) or backend_of(self.topology.intra_group, buffer.device) == "gloo"
         )
         fallbacks: list[tuple[str, str]] = []
         stages: list[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
@@ -110,6 +114,9 @@ class HierarchicalReduce:
         advance(0)
         return buffer, fallbacks
 
+    def _checks(self, codec: Codec) -> bool:
+        return codec.lossy and (self.check if self.check is not None else needs_check(codec))
+
     def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, int]:
         """`part` padded with zeros to a multiple of the node's workers, and the size of each one's shard."""
         local_size, n = self.topology.local_size, part.numel()
@@ -132,7 +139,7 @@ class HierarchicalReduce:
             work = reduce_scatter_single(shard_payload, payload, group=group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
-            if self.intra_codec.lossy and not bool(payload.isfinite().all()):
+            if self._checks(self.intra_codec) and not bool(payload.isfinite().all()):
                 # The whole node sees this sum: every worker of it retries exactly, alike.
                 note_overflow(self.intra_codec, key)
                 if self.intra_feedback is not None:
@@ -160,6 +167,7 @@ class HierarchicalReduce:
             out=out,
             span_name="inter-node allreduce" if self.codec.summable else "inter-node allgather",
             velocity=self._shard_velocity(key[1], shard.numel()),
+            check=self.check,
         )
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
@@ -187,7 +195,7 @@ class HierarchicalReduce:
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
             fallback = None
-            if self.intra_codec.lossy and not bool(gathered.isfinite().all()):
+            if self._checks(self.intra_codec) and not bool(gathered.isfinite().all()):
                 note_overflow(self.intra_codec, key)
                 exact = shard.new_empty(shard.numel() * local_size)
                 all_gather_single(exact, shard.contiguous(), group=group)

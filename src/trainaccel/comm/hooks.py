@@ -107,6 +107,10 @@ class CommState:
     warmup_steps: int = 0  # first steps reduced exactly before a sparse codec starts (compression_warmup)
     last_step_compressed: bool = False  # whether the last step's dense buckets went through the codec
     moved: MovedMomentum | None = None  # an optimizer's momentum, applied by error feedback (compression_momentum)
+    # DDP all-reduces its unused-parameter map on its own group, from the training thread, right after the last
+    # bucket's hook (find_unused_parameters): the hook first waits for its jobs, so that every rank issues the
+    # engine's collectives and that one in the same order (NCCL may deadlock otherwise).
+    ddp_collective_after_last: bool = False
 
     @property
     def hierarchical(self) -> bool:
@@ -181,15 +185,25 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
             return _hierarchical(state, buffer, index, step, velocity)  # its stages trace themselves
         return _flat(state, buffer, index, step, velocity)  # `exchange` traces its stages
 
+    def checked_job() -> torch.Tensor:
+        # On the communication thread, as part of the job: a callback added to the future with then() would run on
+        # the training thread whenever the job was done first, and its read of the result would stop that thread.
+        result = job()
+        _check_finite(state, bucket, result)
+        return result
+
     if first_here and state.restored_buckets and step <= state.warmup_steps:
         state.restored_buckets.clear()  # restored during the warm-up: its exact steps need no realignment
-    if first_here and state.restored_buckets and not buffer.is_sparse:
+    realign = first_here and state.restored_buckets and not buffer.is_sparse
+    if realign:
         fut = _realign(state, bucket, step)
     else:
-        fut = comm_thread().submit(job, buffer.device)
+        fut = comm_thread().submit(job if state.nan_check == "off" else checked_job, buffer.device)
+    if bucket.is_last() and state.ddp_collective_after_last:
+        fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
     if state.comm_wait is not None:
         fut = fut.then(track(state.comm_wait.mark_done))
-    if state.nan_check == "off":
+    if state.nan_check == "off" or not realign:
         return fut
 
     def check(fut: torch.futures.Future) -> torch.Tensor:
