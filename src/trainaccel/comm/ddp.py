@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel.comm import checkpoint, failfast, momentum
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
+from trainaccel.comm.exchange import warn_if_gathering_costs_more
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook
@@ -42,6 +43,8 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
             "use trainaccel.comm.DiLoCo(model, optimizer, sync_every=...) for low-communication training"
         )
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    # DDP's reducer then all-reduces its map of used parameters after every step's last bucket (see CommState).
+    map_after_last = ddp_model.find_unused_parameters and not getattr(ddp_model, "static_graph", False)
     device = next((p.device for p in ddp_model.parameters() if p.requires_grad), None)  # where gradients are reduced
     observer = observe(ddp_model, compiled=config.compile == "on")
     failfast.start_heartbeat()
@@ -60,12 +63,14 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         tuner = build_autotuner(ddp_model.process_group, config, param_names, comm_wait, device=device)
         for candidate in tuner.candidates:
             candidate.state.observer = observer
+            candidate.state.ddp_collective_after_last = map_after_last
         ddp_model.register_comm_hook(tuner, autotune_comm_hook)
         observer.comm = tuner
         checkpoint.attach(observer)
         return tuner
     state = build_state(ddp_model.process_group, config, param_names, comm_wait, device=device)
     state.observer = observer
+    state.ddp_collective_after_last = map_after_last
     momentum.attach(observer, state, config.compression, config.compression_momentum)
     if _nothing_to_add(state, config):
         # A Python hook costs a few percent over DDP's C++ allreduce; with nothing to add, use that.
@@ -153,6 +158,7 @@ def build_state(
         fp16_scale=config.fp16_scale,
         ratio_max=config.compression_ratio_max,  # Config.resolve checked it is above the ratio
     )
+    warn_if_gathering_costs_more(state.codec, dist.get_world_size(state.group), "gradient")
     if state.codec.lossy:
         sparse = config.compression in momentum.SPARSE_CODECS
         explicit = config.compression_momentum if sparse and config.compression_momentum != "auto" else 0.0

@@ -592,11 +592,12 @@ def _as_saved(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if hasattr(tensor, "to_local"):  # a DTensor (shard=...): the same placement, this shard's synced values
         from torch.distributed.tensor import DTensor
 
-        local = value.to(tensor.dtype).view_as(tensor.to_local())
+        local = tensor.to_local()
+        local = value.to(local.device, local.dtype).view_as(local)
         return DTensor.from_local(
             local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride(), run_check=False
         )
-    return value.to(tensor.dtype, copy=True).view_as(tensor)
+    return value.to(tensor.device, tensor.dtype, copy=True).view_as(tensor)  # anchors may be in host memory
 
 
 def _restore_attribute(owner: Any, name: str, value: Any) -> None:

@@ -19,6 +19,7 @@ later, with the steps taken meanwhile kept on top.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.codecs import ErrorFeedback, get_codec
-from trainaccel.comm.exchange import start_exchange
+from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for
@@ -54,7 +55,8 @@ class _Fragment:
         "index": "position among the fragments: its error-feedback key and its step within each round",
         "params": "its parameters (a sharded one's own shard): a contiguous run of the model's, about 1/F of them",
         "buffers": "floating-point buffers averaged with its syncs (the last fragment holds them all)",
-        "anchors": "float32 parameters after its last regular sync (None until the first inner step)",
+        "anchors": "float32 parameters after its last regular sync (None until the first inner step); in pinned host "
+        "memory for a GPU's parameters (`anchor_home`)",
         "outer": "torch.optim.SGD over the anchors (None for average)",
         "next_sync": "`steps` at which its next regular sync starts",
         "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
@@ -157,16 +159,21 @@ class OuterSync:
         self.live_is_synced, self._synced_buffers = False, []
         self._hierarchy: HierarchicalReduce | None = None
         self.use_scope(scope, config.hierarchical)
+        # The payloads are gathered across nodes only when the change goes in two levels.
+        across = self._hierarchy.topology.num_nodes if self._hierarchy is not None else dist.get_world_size(self.group)
+        warn_if_gathering_costs_more(self._codec, across, "parameter", "outer_compression")
 
     def use_scope(self, scope: str, hierarchical: str) -> None:
         """Replicas per node (`node`: each node's workers hold one, its change crosses nodes once, a shard from each
         worker) or per rank (the change in two levels where `hierarchical` and the topology say so)."""
         self.scope = scope
         if scope == "node":
-            self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback)
+            self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback, check=True)
             return
         topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce", self.params[0].device)
-        self._hierarchy = HierarchicalReduce(topology, self._codec, self._feedback) if topology is not None else None
+        self._hierarchy = (
+            HierarchicalReduce(topology, self._codec, self._feedback, check=True) if topology is not None else None
+        )
 
     @property
     def started(self) -> bool:
@@ -285,7 +292,7 @@ class OuterSync:
         lr, momentum = self._outer_settings
         nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
         for fragment in self._fragments:
-            fragment.anchors = [p.detach().float().clone() for p in fragment.params]
+            fragment.anchors = [kept_copy(p) for p in fragment.params]
             if self.outer_optimizer != "average":
                 fragment.outer = torch.optim.SGD(fragment.anchors, lr=lr, momentum=momentum, nesterov=nesterov)
 
@@ -300,7 +307,8 @@ class OuterSync:
         with torch.no_grad():
             values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
             # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
-            change = torch.cat([a.reshape(-1) for a in fragment.anchors]).sub_(values).div_(replicas)
+            anchors = [a.to(values.device, non_blocking=True).reshape(-1) for a in fragment.anchors]
+            change = torch.cat(anchors).sub_(values).div_(replicas)
             buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
         if buffers is not None:
             buffers.div_(world)
@@ -312,7 +320,9 @@ class OuterSync:
                 mean = hierarchy.reduce(change, fragment.key, replicated=node)[0]
                 sent = hierarchy.bytes_sent - before
             else:
-                outcome = start_exchange(codec, feedback, change, fragment.key, group).finish()
+                # check=True: a sync every few steps can afford the host read, and the exact retry's sum names only
+                # the parameters that were not finite (a block codec's would spread them over their blocks).
+                outcome = start_exchange(codec, feedback, change, fragment.key, group, check=True).finish()
                 mean, sent = outcome.result.float(), outcome.sent
             if buffers is not None:
                 dist.all_reduce(buffers, group=group)
@@ -342,18 +352,20 @@ class OuterSync:
         with torch.no_grad():
             means = mean.split([a.numel() for a in fragment.anchors])
             if outer and fragment.outer is not None:
-                for anchor, change in zip(fragment.anchors, means):
-                    anchor.grad = change.view_as(anchor)  # the outer "gradient"
-                fragment.outer.step()
-                for anchor in fragment.anchors:
-                    anchor.grad = None
+                with staged(fragment.anchors, fragment.outer, mean.device):
+                    for anchor, change in zip(fragment.anchors, means):
+                        anchor.grad = change.view_as(anchor)  # the outer "gradient"
+                    fragment.outer.step()
+                    for anchor in fragment.anchors:
+                        anchor.grad = None
                 targets = fragment.anchors
             elif outer:  # average: the mean of the replicas is the new anchor
-                for anchor, change in zip(fragment.anchors, means):
-                    anchor.sub_(change.view_as(anchor))
+                with staged(fragment.anchors, None, mean.device):
+                    for anchor, change in zip(fragment.anchors, means):
+                        anchor.sub_(change.view_as(anchor))
                 targets = fragment.anchors
             else:  # sync(): the replicas' mean, the anchor (and the outer optimizer) untouched
-                targets = [a - change.view_as(a) for a, change in zip(fragment.anchors, means)]
+                targets = [a.to(change.device) - change.view_as(a) for a, change in zip(fragment.anchors, means)]
             tensors = [*fragment.params, *(fragment.buffers if buffers is not None else [])]
             values = [*targets, *(buffers.split(sizes(fragment.buffers)) if buffers is not None else [])]
             then = snapshot.split(sizes(tensors)) if snapshot is not None else [None] * len(tensors)
@@ -361,7 +373,8 @@ class OuterSync:
                 if before is None:
                     tensor.copy_(value.view_as(tensor))
                 else:
-                    tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value.view_as(tensor)))
+                    value = value.to(tensor.device, non_blocking=True).view_as(tensor)
+                    tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value))
         if outer and buffers is not None:
             self._synced_buffers = [b.clone() for b in buffers.split(sizes(fragment.buffers))]
         if outer:
@@ -504,6 +517,56 @@ class OuterSync:
             self._feedback.residuals = {key: value.to(device, copy=True) for key, value in state["residuals"].items()}
         if getattr(self._codec, "scales", None) is not None:
             self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
+
+
+def anchor_home(device: torch.device) -> torch.device | None:
+    """Where the anchors of parameters on `device` live: the host for a GPU's (None: beside the parameters).
+
+    DiLoCo keeps float32 anchors and outer momentum, 2 to 4 times a bf16 model's bytes, and uses them once per sync:
+    a GPU's memory is the scarce one. torchft keeps its backups in pinned host memory too.
+    """
+    return torch.device("cpu") if device.type == "cuda" else None
+
+
+def kept_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `tensor` at its `anchor_home`: pinned host memory for a GPU's tensor, else beside it."""
+    home = anchor_home(tensor.device)
+    if home is None:
+        return tensor.detach().float().clone()
+    kept = torch.empty(tensor.shape, dtype=torch.float32, device=home, pin_memory=True)
+    return kept.copy_(tensor.detach())
+
+
+@contextlib.contextmanager
+def staged(anchors: list[torch.Tensor], outer: torch.optim.Optimizer | None, device: torch.device):
+    """Inside, `anchors` (and `outer`'s momentum) are on `device`, where the outer step runs; after, back at home.
+
+    Anchors already on `device` are left as they are. Else each is swapped for a device copy (`.data`, so `outer` keeps
+    its parameters) and copied back; the copy back waits for the step, once per sync.
+    """
+    if not anchors or anchors[0].device == device:
+        yield
+        return
+    state = outer.state if outer is not None else {}
+    homes = [a.data for a in anchors]
+    kept = {}  # id(anchor) -> its momentum's home copy
+    for anchor, home in zip(anchors, homes):
+        anchor.data = home.to(device, non_blocking=True)
+        buffer = state.get(anchor, {}).get("momentum_buffer")
+        if buffer is not None:
+            kept[id(anchor)] = buffer
+            state[anchor]["momentum_buffer"] = buffer.to(device, non_blocking=True)
+    try:
+        yield
+    finally:
+        for anchor, home in zip(anchors, homes):
+            home.copy_(anchor.data)
+            anchor.data = home
+            buffer = state.get(anchor, {}).get("momentum_buffer")
+            if buffer is not None and buffer.device != home.device:
+                home_buffer = kept.get(id(anchor))  # None: made by this, the first, outer step; it gets a home
+                home_buffer = kept_copy(buffer) if home_buffer is None else home_buffer.copy_(buffer)
+                state[anchor]["momentum_buffer"] = home_buffer
 
 
 def split_fragments(params: list[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
