@@ -120,3 +120,34 @@ def test_a_fused_optimizer_steps_under_scaled_without_a_host_sync_and_skips_are_
         per_epoch.step()  # advances only after an epoch with a real step: it reads the skips here
         assert per_epoch.last_epoch == (0, 1, 1)[epoch]
     assert syncs.count == 0
+
+
+class _WithItsOwnLoss(nn.Module):
+    """A model that computes its loss when given labels, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        out = {"logits": logits, "hidden": [logits * 2]}
+        if labels is not None:
+            out["loss"] = nn.functional.mse_loss(logits.float(), labels)
+        return out
+
+
+@pytest.mark.parametrize("labels", [True, False])
+def test_outputs_come_back_float32_except_beside_the_models_own_loss(one_worker, labels):
+    # A loss computed outside the model runs where autocast would run it in float32; beside a loss of its own the
+    # other outputs (an LM's logits) stay in bfloat16, at half the memory.
+    trainaccel.init(amp="bf16", start_process_group=False)
+    model = DDP(_WithItsOwnLoss())
+    x, y = _batch()
+    out = model(x, labels=y if labels else None)
+    expected = torch.bfloat16 if labels else torch.float32
+    assert out["logits"].dtype == expected and out["hidden"][0].dtype == expected
+    if labels:
+        assert out["loss"].dtype == torch.float32
+        out["loss"].backward()
+        assert all(p.grad is not None for p in model.parameters())

@@ -14,6 +14,7 @@ import inspect
 import logging
 import types
 import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +136,8 @@ class AmpState:
 
 
 def enable_amp(observer: StepObserver, config: Config) -> AmpState | None:
-    """Run the model's forward under autocast as `config` says; its floating outputs come back float32."""
+    """Run the model's forward under autocast as `config` says; its floating outputs come back float32 (only the loss,
+    when the model computed its own)."""
     model = observer.model()
     device = next(model.parameters()).device
     device_type = device.type
@@ -161,8 +163,7 @@ def enable_amp(observer: StepObserver, config: Config) -> AmpState | None:
         enabled = state.enabled
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             output = forward(*args, **kwargs)
-        # The loss is computed outside the model, where autocast would have run it in float32.
-        return tree_map(_to_float32, output) if enabled else output
+        return as_float32(output) if enabled else output
 
     model.forward = autocast_forward
     observer.on_detach(functools.partial(vars(model).pop, "forward", None))
@@ -201,6 +202,19 @@ def native_cpu_support(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
     return cpu._is_amx_fp16_supported()
+
+
+def as_float32(output: Any) -> Any:
+    """A forward's output for code outside autocast: its half-precision tensors in float32.
+
+    A loss computed outside the model would run where autocast would have run it in float32. When the model returns
+    its own loss (a mapping with a `loss`, as Hugging Face models given labels do), that loss alone is converted:
+    the other outputs (an LM's logits, batch x sequence x vocabulary) stay as computed, at half the memory.
+    """
+    if isinstance(output, MutableMapping) and output.get("loss") is not None:
+        output["loss"] = _to_float32(output["loss"])
+        return output
+    return tree_map(_to_float32, output)
 
 
 def _to_float32(value: Any) -> Any:
