@@ -148,3 +148,79 @@ assert m.w.grad is None
 def test_sync_every_trains_diloco_with_no_gradient_exchange(tmp_path):
     ranks = run_checks("horovod_sync_every.py", tmp_path, 2)
     assert ranks[0]["grad"] != ranks[1]["grad"]
+
+
+# Rank 1 starts its backward late; rank 0's backward queues its buckets and returns at once.
+NO_WAIT_IN_BACKWARD = """
+import json, sys, time
+from pathlib import Path
+import torch, torch.nn.functional as F
+from torch import nn
+import trainaccel.horovod as hvd
+
+LATE = 2.0
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+failures, info = [], {}
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+start = [p.detach().clone() for p in model.parameters()]
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), num_groups=2
+)
+data = torch.Generator().manual_seed(1)
+xs, ys = torch.randn(size, 4, 8, generator=data), torch.randn(size, 4, 1, generator=data)
+
+# The reference: plain SGD on the gradients of every rank's loss, averaged by hand.
+grads = [torch.zeros_like(p) for p in start]
+for r in range(size):
+    copy = [p.clone().requires_grad_() for p in start]
+    hidden = torch.tanh(F.linear(xs[r], copy[0], copy[1]))
+    F.mse_loss(F.linear(hidden, copy[2], copy[3]), ys[r]).backward()
+    for g, p in zip(grads, copy):
+        g += p.grad / size
+want = [p - 0.1 * g for p, g in zip(start, grads)]
+
+hvd.barrier()
+if rank == 1:
+    time.sleep(LATE)
+loss = F.mse_loss(model(xs[rank]), ys[rank])
+began = time.perf_counter()
+loss.backward()
+info["backward_s"] = time.perf_counter() - began
+# A collective called while buckets are in flight comes after them on every rank.
+if hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum).item() != size * (size + 1) / 2:
+    failures.append("allreduce between backward and step")
+opt.step()
+for i, (p, w) in enumerate(zip(model.parameters(), want)):
+    if not torch.allclose(p, w, atol=1e-6):
+        failures.append(f"parameter {i} off the reference by {(p - w).abs().max().item()}")
+
+# An error of a bucket's negotiation comes from step(), on every rank, and the ranks stay in step.
+wide = nn.Linear(4, 2 + rank, bias=False)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(wide.parameters(), lr=0.1), named_parameters=wide.named_parameters())
+info["raised_in"] = "backward"
+try:
+    wide(torch.ones(1, 4)).sum().backward()
+    info["raised_in"] = "step"
+    opt.step()
+except RuntimeError as e:
+    info["error"] = str(e)
+else:
+    info["raised_in"] = None
+if hvd.allreduce(torch.ones(1), op=hvd.Sum).item() != size:
+    failures.append("allreduce after the error")
+hvd.shutdown()
+Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({"failures": failures, **info}))
+"""
+
+
+def test_backward_does_not_wait_for_the_other_ranks(tmp_path):
+    script = tmp_path / "no_wait_in_backward.py"
+    script.write_text(NO_WAIT_IN_BACKWARD)
+    ranks = run_checks(script, tmp_path, 2)
+    # Rank 1 started its backward 2 s late: rank 0's backward did not wait for it (a generous margin).
+    assert ranks[0]["backward_s"] < 1.0, ranks[0]["backward_s"]
+    assert [r["raised_in"] for r in ranks] == ["step", "step"]
+    assert ranks[0]["error"] == ranks[1]["error"]
+    assert ranks[0]["error"] == "allreduce: tensor shapes differ across ranks (rank 0 (8,), rank 1 (12,))"

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.exchange import all_gather_single
 from trainaccel.devices import group_device
+from trainaccel.horovod import background
 from trainaccel.horovod.process_sets import ProcessSet
 
 KINDS = {
@@ -98,6 +99,7 @@ _parked: dict[int, list[Operation]] = {}  # per process set, in the order they w
 def reset() -> None:
     _rounds.clear()
     _parked.clear()
+    background.reset()
 
 
 def exchanges(set_id: int) -> int:
@@ -125,6 +127,7 @@ def describe(kind: str, tensor: torch.Tensor, extra: int = 0, name: str | None =
 
 def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None, set_id: int) -> torch.Tensor:
     """Every worker's descriptor, read here on the CPU (exchanged on the group's device: an NCCL-only group's GPU)."""
+    background.drain()  # the optimizer's exchanges submitted so far come first, as on one thread
     world, device = dist.get_world_size(group), group_device(group)
     everyone = torch.empty(world, mine.numel(), dtype=torch.int64, device=device)
     all_gather_single(everyone.view(-1), mine.to(device), group=group)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.exchange import all_gather_single
 from trainaccel.devices import group_device
-from trainaccel.horovod import negotiation
+from trainaccel.horovod import background, negotiation
 from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.exceptions import UnsupportedOperation
 from trainaccel.horovod.process_sets import ProcessSet, resolve
@@ -138,6 +138,7 @@ def _claim(*names: str | None) -> None:
     Checked before any exchange, so that a rank calling a duplicate alone (as Horovod's tests do)
     raises alone; a name reused on every rank is judged alike everywhere (see `Handle.holds_name`).
     """
+    background.drain()  # the exchange counts that names are judged by include the optimizer's exchanges so far
     for name in names:
         held = _in_flight.get(name) if name is not None else None
         if held is not None and held.holds_name():

@@ -1,9 +1,11 @@
 """Horovod's `DistributedOptimizer`, `broadcast_parameters` and `broadcast_optimizer_state`.
 
-Gradients are reduced in buckets of parameters. A bucket starts its asynchronous allreduce
-during backward, as soon as all its gradients are ready and every earlier bucket has started,
-so every rank issues the same collectives in the same order. `step()` (or `synchronize()`)
-starts the buckets still waiting (parameters unused on this rank count as zero) and waits.
+Gradients are reduced in buckets of parameters. As soon as all of a bucket's gradients are ready
+and every earlier bucket has been queued, the backward hook queues the bucket on the background
+thread (`background`), which negotiates and starts the collectives in queue order: every rank
+issues the same collectives in the same order, and backward never waits for the other ranks.
+`step()` (or `synchronize()`) queues the buckets still waiting (parameters unused on this rank
+count as zero), waits for them all and raises any error of theirs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.exchange import say_fallback, start_exchange
 from trainaccel.context import current_config, info_once
-from trainaccel.horovod import negotiation, ops
+from trainaccel.horovod import background, negotiation, ops
 from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
 from trainaccel.horovod.ops import Adasum, Average, ReduceOp, Sum, broadcast_, broadcast_object
@@ -85,6 +87,16 @@ def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: Any) -> None:
                 p.grad = grad
 
 
+class _Bucket:
+    """One launched bucket: its gradients' copy, then, once the background thread has started it, its handles."""
+
+    def __init__(self, index: int, dense: list, sparse: list, flat: torch.Tensor | None):
+        self.index, self.dense, self.sparse, self.flat = index, dense, sparse, flat
+        self.handle: Any = None  # ops.Handle, or a codec's Pending
+        self.ctx: Any = None
+        self.outcome: Any = None  # a codec's finished exchange
+
+
 class _DistributedOptimizer:
     """Mixed into the wrapped optimizer's own class, so `isinstance` checks still hold."""
 
@@ -126,8 +138,10 @@ class _DistributedOptimizer:
         self._parameter_names = {p: names[id(p)] for p in params}  # Horovod's attribute, read by some scripts
         self._passes: dict[int, int] = {}
         self._ready: list[set[int]] = [set() for _ in self._buckets]
-        self._handles: list[Any] = [None] * len(self._buckets)
+        self._handles: list[Any] = [None] * len(self._buckets)  # each launched bucket's _Bucket
         self._next_bucket = 0
+        self._jobs: list[torch.futures.Future] = []  # the background jobs of this step's buckets
+        self._error: Exception | None = None  # the first error of a background job, raised by synchronize
         self._synchronized = False
         self._skip_synchronize = False
         self._diloco = None
@@ -206,6 +220,7 @@ class _DistributedOptimizer:
             self._launch(self._next_bucket)
 
     def _launch(self, index: int) -> None:
+        """Take a copy of the bucket's gradients and queue its negotiation and collective on the background thread."""
         grads, dense, sparse = [], [], []
         for p in self._buckets[index]:
             grad = p.grad
@@ -213,23 +228,38 @@ class _DistributedOptimizer:
                 grad = torch.zeros_like(p)
             elif grad.is_sparse:
                 if not self._sparse_as_dense:
-                    sparse.append((p, ops.sparse_allreduce_async(grad, None, self._op, self._process_set)))
+                    sparse.append((p, grad))
                     continue
                 grad = grad.to_dense()
             dense.append(p)
             grads.append(grad.reshape(-1))
-        handle = ctx = None
-        if grads and isinstance(self._compression, CodecCompression):
-            handle = self._exchange(index, torch.cat(grads))
-        elif grads:
-            flat = torch.cat(grads)
+        bucket = _Bucket(index, dense, sparse, torch.cat(grads) if grads else None)
+        self._handles[index] = bucket
+        self._next_bucket = index + 1
+        device = self._buckets[index][0].device
+        self._jobs.append(background.submit(lambda: self._start(bucket), device))
+
+    def _start(self, bucket: _Bucket) -> None:
+        """On the background thread: negotiate and start the bucket's collectives (its error kept for synchronize)."""
+        if self._error is not None:  # every rank failed an earlier bucket alike: none starts the later ones
+            return
+        try:
+            bucket.sparse = [
+                (p, ops.sparse_allreduce_async(grad, None, self._op, self._process_set)) for p, grad in bucket.sparse
+            ]
+            flat = bucket.flat
+            if flat is None:
+                return
+            if isinstance(self._compression, CodecCompression):
+                bucket.handle = self._exchange(bucket.index, flat)
+                return
             if self._predivide != 1.0:
                 flat.div_(self._predivide)
-            payload, ctx = self._compression.compress(flat)
+            payload, bucket.ctx = self._compression.compress(flat)
             # Negotiated like any allreduce, so a worker that has called hvd.join() takes part.
-            handle = ops.allreduce_async_(payload, op=Sum, process_set=self._process_set)
-        self._handles[index] = (handle, ctx, dense, sparse)
-        self._next_bucket = index + 1
+            bucket.handle = ops.allreduce_async_(payload, op=Sum, process_set=self._process_set)
+        except Exception as e:
+            self._error = e
 
     def _exchange(self, index: int, flat: torch.Tensor) -> Any:
         """A sparsifying codec: values and indices are gathered, not summed, so join cannot take part."""
@@ -238,29 +268,49 @@ class _DistributedOptimizer:
         codec, feedback = self._compression.codec, self._compression.feedback
         return start_exchange(codec, feedback, flat, index, ps.group or dist.group.WORLD, 1.0 / self._predivide)
 
+    def _finish_exchanges(self, buckets: list[_Bucket]) -> None:
+        """On the background thread, in bucket order on every rank: a sum that is not finite is redone exactly."""
+        if self._error is not None:
+            return
+        try:
+            for bucket in buckets:
+                if bucket.handle is not None:
+                    bucket.outcome = bucket.handle.finish()
+        except Exception as e:
+            self._error = e
+
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting buckets still waiting) and write them to `.grad`."""
         if self._synchronized or self._process_set is None or self._diloco is not None:
             return
         while self._next_bucket < len(self._buckets):
             self._launch(self._next_bucket)
+        buckets: list[_Bucket] = self._handles
+        if buckets and isinstance(self._compression, CodecCompression):
+            device = self._buckets[0][0].device
+            self._jobs.append(background.submit(lambda: self._finish_exchanges(buckets), device))
+        for job in self._jobs:
+            job.wait()  # on a GPU, this stream also waits for the thread's work on the results
+        error = self._error
+        if error is not None:
+            self._reset()
+            raise error
         world = self._process_set.size()
-        for handle, ctx, dense, sparse in self._handles:
-            for p, wait in sparse:
+        for bucket in buckets:
+            for p, wait in bucket.sparse:
                 p.grad = wait()
-            if handle is None:
+            if bucket.handle is None:
                 continue
-            if not isinstance(handle, ops.Handle):  # a codec's exchange, finished in bucket order on every rank
-                outcome = handle.finish()  # a sum that is not finite is redone exactly, alike on every rank
-                if outcome.fallback is not None:
-                    say_fallback(self._compression.name, f"bucket {handle.key}", outcome.fallback)
-                flat = outcome.result
+            if bucket.outcome is not None:  # a codec's exchange
+                if bucket.outcome.fallback is not None:
+                    say_fallback(self._compression.name, f"bucket {bucket.index}", bucket.outcome.fallback)
+                flat = bucket.outcome.result
             else:
-                flat = self._compression.decompress(ops.synchronize(handle), ctx)
+                flat = self._compression.decompress(ops.synchronize(bucket.handle), bucket.ctx)
             if self._op == Average:
                 flat = flat.div(world / self._predivide)
             offset = 0
-            for p in dense:
+            for p in bucket.dense:
                 n = p.numel()
                 reduced = flat[offset : offset + n].view_as(p).to(p.dtype)
                 if p.grad is None:
@@ -278,6 +328,8 @@ class _DistributedOptimizer:
         self._ready = [set() for _ in self._buckets]
         self._handles = [None] * len(self._buckets)
         self._next_bucket = 0
+        self._jobs = []
+        self._error = None
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

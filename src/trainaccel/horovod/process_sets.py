@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from trainaccel.horovod import background
 from trainaccel.horovod.basics import check_initialized
 
 
@@ -68,6 +69,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(f"{ps} is already registered")
     if ps.ranks == global_process_set.ranks or any(other.ranks == ps.ranks for other in _registered.values()):
         raise ValueError(f"a process set with ranks {ps.ranks} already exists; process sets must differ")
+    background.drain()  # after the optimizer's collectives submitted so far, as on every other rank
     ps.group = dist.new_group(ps.ranks)  # collective over the whole world, as in Horovod
     ps.process_set_id = next(_ids)
     _registered[ps.process_set_id] = ps
@@ -80,6 +82,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set.process_set_id in (None, 0) or process_set.process_set_id not in _registered:
         return False
     del _registered[process_set.process_set_id]
+    background.drain()  # no job of the optimizer may still use the group
     if dist.get_rank() in process_set.ranks:
         dist.destroy_process_group(process_set.group)
     process_set.process_set_id, process_set.group = None, None

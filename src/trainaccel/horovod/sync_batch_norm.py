@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainaccel.batchnorm import gathered_batch_norm, running_stats_factor
-from trainaccel.horovod import process_sets
+from trainaccel.horovod import background, process_sets
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -42,5 +42,10 @@ class SyncBatchNorm(_BatchNorm):
             return F.batch_norm(
                 input, self.running_mean, self.running_var, self.weight, self.bias, training=False, eps=self.eps
             )
-        group = process_sets.resolve(self.process_set).group if dist.is_available() and dist.is_initialized() else None
+        group = None
+        if dist.is_available() and dist.is_initialized():
+            group = process_sets.resolve(self.process_set).group
+            # Its collectives run on this thread, in forward and backward: DistributedOptimizer's must stay in
+            # order with them, so they run here too.
+            background.keep_inline()
         return gathered_batch_norm(self, input, running_stats_factor(self), group)
