@@ -76,7 +76,12 @@ def test_half_precision_models_train_like_plain_ddp(matrix, codec, setting):
 
 
 # Codecs whose sums are read on the host, once per bucket on the communication thread, to choose an exact retry.
-READ_FOR_RETRY = {"fp16": "comm finite", "randomk": "comm finite", "powersgd": "comm _powersgd_bucket"}
+READ_FOR_RETRY = {
+    "fp16": "comm finite",
+    "randomk": "comm finite",
+    "topk": "comm finite",
+    "powersgd": "comm _powersgd_bucket",
+}
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

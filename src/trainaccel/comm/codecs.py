@@ -97,7 +97,10 @@ class TopK:
     """Send the `ratio` largest-magnitude elements as (values, int32 indices) in one float32 payload."""
 
     name, summable, lossy = "topk", False, True
-    keeps_finiteness = True  # a non-finite element has the largest magnitude (NaN sorts above Inf): it is always sent
+    # A non-finite element is always sent (NaN and Inf are the largest magnitudes), but the residual holds most of the
+    # gradient: a step whose sum is not finite (discarded by a GradScaler) must clear it on every rank, which needs
+    # the host's decision (the exact retry), or the discarded step would reach later ones.
+    keeps_finiteness = False
 
     def __init__(self, ratio: float, seed: int = 0, adaptive: AdaptiveRatio | None = None):
         self.ratio, self.adaptive = ratio, adaptive
