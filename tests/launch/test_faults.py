@@ -27,7 +27,13 @@ EXPECTED = {  # fault -> (what node 0 says first, what node 1 says first)
         RANK1 + r" is hung: no heartbeat for \d+ s: its process is gone, stopped, stuck outside Python, or cut off",
         r"trainaccel run: ended local rank 0 \(rank 1, pid \d+\): no heartbeat for \d+ s",
     ),
-    "kill": (RANK1, r"failed \(exitcode: -9\)"),
+    "kill": (RANK1, r"trainaccel run: local rank 0 \(rank 1, pid \d+\): its process was ended by SIGKILL"),
+    # Its peer trains without a collective (as if blocked in NCCL's): only its launcher's publication ends it.
+    "abort": (
+        RANK1 + r" failed first: its process was ended by SIGABRT \(signal 6\) without a Python error: abort\(\) "
+        r"in native code \(published by its node's trainaccel run\)",
+        r"trainaccel run: local rank 0 \(rank 1, pid \d+\): its process was ended by SIGABRT",
+    ),
     "raise": (
         RANK1 + " failed first: RuntimeError: rank 1 failed on purpose at step 30",
         "RuntimeError: rank 1 failed",

@@ -1,7 +1,8 @@
 """`trainaccel bench faults`: each fault on an emulated 2-node cluster, and how long until every process ended.
 
 Each node is a network namespace with its own `trainaccel run` (see bench/emulate.py). One worker meets
-the fault at a set step: it hangs in Python, is stopped (SIGSTOP), is killed (SIGKILL) or raises; or the
+the fault at a set step: it hangs in Python, is stopped (SIGSTOP), is killed (SIGKILL), aborts (SIGABRT, as
+NCCL's watchdog ends a worker, while its peer trains alone as if blocked in an NCCL collective) or raises; or the
 runner takes its node's link down, or kills every process of the first node (the store's host). The
 figure is the time from the fault until every process of every node (launchers and workers, found
 through /proc while they run) has exited; what survives the limit is killed and reported.
@@ -27,11 +28,12 @@ from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, Emulatio
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.watchdog import process_stat
 
-FAULTS = ("hang", "stop", "kill", "raise", "link-down", "master-dies", "slow")
+FAULTS = ("hang", "stop", "kill", "abort", "raise", "link-down", "master-dies", "slow")
 DESCRIPTIONS = {
     "hang": "a worker hangs in Python (a sleep that never ends)",
     "stop": "a worker is stopped (SIGSTOP): alive, never runs again",
     "kill": "a worker is killed (SIGKILL)",
+    "abort": "a worker aborts (SIGABRT, as from NCCL's watchdog) while its peer trains without a collective",
     "raise": "a worker raises",
     "link-down": "a node's link goes down (`ip link set eth0 down` in its namespace)",
     "master-dies": "every process of the first node (the store's host) is killed",
@@ -54,7 +56,7 @@ class FaultResult:
     outputs: list[str]
 
 
-class _Tree:
+class ProcessTree:
     """Every process started under the launchers, remembered by (pid, start time) even once orphaned."""
 
     def __init__(self, roots: list[int]):
@@ -106,7 +108,7 @@ def run_fault(
     if fault not in FAULTS:
         raise ValueError(f"invalid fault {fault!r}; accepted: {', '.join(FAULTS)}")
     worker = str(Path(__file__).with_name("fault_worker.py"))
-    in_worker = fault if fault in ("hang", "stop", "kill", "raise", "slow") else "none"
+    in_worker = fault if fault in ("hang", "stop", "kill", "abort", "raise", "slow") else "none"
     steps = at + 20 if fault == "slow" else 10**6  # a straggler's job ends on its own
     last = NODES * per_node - 1
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
@@ -124,11 +126,13 @@ def run_fault(
                 *["--master-port", str(PORT), *(options or []), worker, "--fault", in_worker],
                 *["--rank", str(last), "--at", str(at), "--step-s", str(step_s), "--slow-s", str(slow_s)],
                 *["--steps", str(steps)],
+                # The peer sees no error from the aborted worker (as on NCCL): only its publication can end it.
+                *(["--peers-no-sync-s", str(10**6)] if fault == "abort" else []),
             ]
             procs.append(
                 subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             )
-        tree = _Tree([p.pid for p in procs])
+        tree = ProcessTree([p.pid for p in procs])
         lines: list[list[str]] = [[] for _ in procs]
         fault_at: list[float] = []
         reached = threading.Event()

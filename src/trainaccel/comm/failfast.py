@@ -82,7 +82,9 @@ class Heartbeat:
         # The default store itself is held too: where a worker hosts it (rank 0 without torchrun's agent store),
         # it then lives until this process leaves, not until the script destroys its group.
         self._server = distributed_c10d._get_default_store()
-        self._store = self._server.clone()  # its own connection: no lock with the main thread
+        # Its own connection (no lock with the main thread), to the store under torch's prefixes: the keys are
+        # then where a worker's launcher finds them from the address in the worker's heartbeat file.
+        self._store = root_store(self._server).clone()
         self._progress, self._interval = progress, interval_s
         self._collective_timeout = config.collective_timeout
         self._hang_timeout = config.hang_timeout
@@ -96,6 +98,8 @@ class Heartbeat:
         self._leaving_seen = False  # some rank ended cleanly: the job is winding down, the store may go
         self._judge = HangJudge(config.hang_timeout) if self.rank in (0, self.size - 1) and self.size > 1 else None
         self._local_file = _local_heartbeat_file()
+        self._local = {"rank": self.rank, "world": self.size, **self._place, "key": self._key}
+        self._local.update(store=store_address(self._store), nccl=_reduces_cuda_with_nccl())
         self._beat()
         self._write_local()
         self._thread = threading.Thread(target=self._run, name="trainaccel-heartbeat", daemon=True)
@@ -171,7 +175,8 @@ class Heartbeat:
                 return
             temporary = f"{self._local_file}.{os.getpid()}"
             with open(temporary, "w") as f:
-                json.dump({"pid": os.getpid(), "rank": self.rank, "time": time.time(), "limit_s": limit}, f)
+                # With what its launcher needs to publish a failure for it, should it die without a word.
+                json.dump({"pid": os.getpid(), "time": time.time(), "limit_s": limit, **self._local}, f)
             os.replace(temporary, self._local_file)  # whole or not at all: the launcher reads it any time
         except OSError as e:
             log.debug("heartbeat file %s not written (%s)", self._local_file, e)
@@ -192,9 +197,14 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self._interval)
-        if self._local_file is not None:
+        self.drop_local_file()
+
+    def drop_local_file(self) -> None:
+        """Remove this worker's heartbeat file: it ends having said why (its launcher publishes nothing for it)."""
+        path, self._local_file = self._local_file, None  # not written again
+        if path is not None:
             try:
-                os.unlink(self._local_file)
+                os.unlink(path)
             except OSError:
                 pass
 
@@ -323,20 +333,67 @@ def publish_failure(reason: Verdict | BaseException | str, store: Any = None) ->
     else:
         text = reason
     me = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    failure: dict[str, Any] = {"rank": me, "by": me, "host": None, "node": None, "local_rank": None}
     if isinstance(reason, Verdict):  # a verdict about another rank names that rank's place in its text
-        failure["rank"] = reason.rank
+        failure = failure_record(reason.rank, text, by=me)
     else:
-        failure["host"], failure["local_rank"] = worker_place()
-        failure["node"] = os.environ.get("GROUP_RANK")
-    failure["reason"] = text[:1000]
+        host, local_rank = worker_place()
+        failure = failure_record(me, text, host=host, node=os.environ.get("GROUP_RANK"), local_rank=local_rank)
     try:
-        bounded(lambda: store.compare_set(_prefix() + "failure", "", json.dumps(failure)), 2 * HEARTBEAT_S)
+        publish_record(store, failure, _prefix())
     except Exception as e:  # the store is gone too: the peers find out from it
         log.debug("failure not published (%s)", e)
         return
     global _published
     _published = True
+
+
+def failure_record(
+    rank: int,
+    reason: str,
+    host: str | None = None,
+    node: str | None = None,
+    local_rank: int | None = None,
+    by: int | None = None,
+) -> dict[str, Any]:
+    """A failure as the job's store holds it: the failed rank, where it ran (host None: named in `reason`), why,
+    and `by`, the rank that published it (its own heartbeat does not end it)."""
+    return {
+        "rank": rank,
+        "by": rank if by is None else by,
+        "host": host,
+        "node": node,
+        "local_rank": local_rank,
+        "reason": reason[:1000],
+    }
+
+
+def publish_record(store: Any, failure: dict, prefix: str) -> bool:
+    """Store `failure` as the job's failure (under key prefix `prefix`) unless one is there already; returns
+    whether it is the job's failure now. Raises if the store does not answer within two heartbeats."""
+    value = json.dumps(failure)
+    held = bounded(lambda: store.compare_set(prefix + "failure", "", value), 2 * HEARTBEAT_S)
+    return (held.decode() if isinstance(held, bytes) else held) == value
+
+
+def await_readers(store: Any, prefix: str, readers: int) -> None:
+    """Wait until `readers` peers have read the published failure, or for a beat and a half."""
+    try:
+        _wait_for(lambda: store.add(prefix + "failure-read", 0) >= readers)
+    except Exception:
+        return
+
+
+def root_store(store: Any) -> Any:
+    """The store under every PrefixStore that torch wraps around it (the job's TCPStore, under torchrun)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def store_address(store: Any) -> tuple[str, int] | None:
+    """(host, port) of a TCPStore under `store`; None for other stores (a file, a hash map)."""
+    store = root_store(store)
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
 
 
 def describe_failure(failure: dict) -> str:
@@ -365,6 +422,9 @@ def end_process(line: str, publish: Verdict | None = None, store: Any = None) ->
     if publish is not None:
         publish_failure(publish, store=store)
         linger()
+    # Without its heartbeat file, its launcher knows that it ended having said why: nothing to publish for it.
+    if _heartbeat is not None:
+        _heartbeat.drop_local_file()
     os._exit(EXIT_STATUS)
 
 
@@ -374,11 +434,7 @@ def linger() -> None:
     this process meanwhile."""
     if not _published or _heartbeat is None:
         return
-    store, key, peers = _heartbeat._store, _heartbeat._key + "failure-read", _heartbeat.size - 1
-    try:
-        _wait_for(lambda: store.add(key, 0) >= peers)
-    except Exception:
-        return
+    await_readers(_heartbeat._store, _heartbeat._key, _heartbeat.size - 1)
 
 
 def _wait_for(done: Callable[[], bool], timeout_s: float = 1.5 * HEARTBEAT_S) -> None:
@@ -410,7 +466,7 @@ def show_stacks_on_abort() -> None:
     """On a default group that reduces CUDA tensors with NCCL: every thread's Python stack on a fatal signal (until
     shutdown). NCCL's watchdog ends a worker whose collective timed out with abort(), which no Python code outlives;
     the stacks still name the call it was stuck in."""
-    if backend_of(None, torch.device("cuda")) != "nccl" or faulthandler.is_enabled():
+    if not _reduces_cuda_with_nccl() or faulthandler.is_enabled():
         return
     if context.first_time("stacks on abort"):
         faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -432,7 +488,7 @@ def heartbeats() -> dict[int, dict] | None:
     """Every worker's latest heartbeat by rank (read now, from the main thread); None without a heartbeat."""
     if _heartbeat is None:
         return None
-    return _read_heartbeats(distributed_c10d._get_default_store(), dist.get_world_size(), _heartbeat._key)
+    return _read_heartbeats(root_store(distributed_c10d._get_default_store()), dist.get_world_size(), _heartbeat._key)
 
 
 def collective_timeout_s() -> float:
@@ -484,6 +540,13 @@ def leave() -> None:
     if _heartbeat is not None:
         _heartbeat.leave()
         _heartbeat = None
+
+
+def _reduces_cuda_with_nccl() -> bool:
+    try:
+        return backend_of(None, torch.device("cuda")) == "nccl"
+    except Exception:  # a backend torch cannot name
+        return False
 
 
 def _local_heartbeat_file() -> str | None:

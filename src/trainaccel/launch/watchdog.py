@@ -5,23 +5,35 @@ A worker's own heartbeat thread ends it when the job is over; a worker that cann
 limit (hang_timeout once warm, else collective_timeout, plus a margin), to a file in a folder that
 `trainaccel run` gives it; past the limit the watchdog kills it, and torchrun handles the exit as
 any failure (the job ends, or restarts with --max-restarts).
+
+A worker that dies without a word (a signal: SIGABRT from NCCL's watchdog on a collective timeout,
+SIGSEGV, ...; or a non-zero exit outside Python) leaves its heartbeat file behind; a worker that ends
+having said why removes it. The watchdog then publishes the failure for it in the job's store, as the
+worker would have, so that every node's workers end at once naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from trainaccel.config import Config
 
 CHECK_S = 1.0
+STORE_CONNECT_S = 5.0  # how long publishing waits for the job's store to accept a connection
+PUBLISH_S = STORE_CONNECT_S + 10.0  # connecting, publishing, and waiting for the peers to read it: at most this
+# Ended from outside on purpose (torchrun's agent stopping the others, the user): no failure of the worker's own.
+STOPPING_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 
 
 class Watchdog:
@@ -31,6 +43,15 @@ class Watchdog:
         self._interval = interval_s
         self.folder: Path | None = None
         self.ended: list[str] = []  # one line per worker ended
+        self.published: list[dict] = []  # the failures published for workers that died without a word
+        self._workers: dict[int, int | None] = {}  # pid of each child -> its pidfd
+        self._killed: dict[int, tuple[str, dict]] = {}  # pid -> why the watchdog killed it, and its last heartbeat
+        self._statuses: dict[int, os.waitid_result] = {}  # pid -> how it ended, read on SIGCHLD
+        self._done: set[int] = set()  # ended children already dealt with
+        self._previous_sigchld: object = None
+        self._wake_read, self._wake_write = os.pipe()
+        for fd in (self._wake_read, self._wake_write):
+            os.set_blocking(fd, False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._env = Config.env_name("heartbeat_dir")
@@ -40,14 +61,27 @@ class Watchdog:
         self.folder = Path(tempfile.mkdtemp(prefix="trainaccel-heartbeats-"))
         self._previous = os.environ.get(self._env)
         os.environ[self._env] = str(self.folder)  # torchrun's workers inherit this process's environment
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigchld = signal.signal(signal.SIGCHLD, self._on_child_exit)
         self._thread = threading.Thread(target=self._run, name="trainaccel-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # torchrun's agent has returned, but its store still runs (its frames are alive until this returns): a
+        # failure being published for a dead worker gets there, and the peers get to read it.
+        if self._previous_sigchld is not None:
+            signal.signal(signal.SIGCHLD, self._previous_sigchld)  # type: ignore[arg-type]
+            self._previous_sigchld = None
         self._stop.set()
+        self._wake()
         if self._thread is not None:
-            self._thread.join(timeout=5 * self._interval)
+            self._thread.join(timeout=5 * self._interval + PUBLISH_S)
+        for fd in self._workers.values():
+            if fd is not None:
+                os.close(fd)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         if self._previous is None:
             os.environ.pop(self._env, None)
         else:
@@ -56,8 +90,101 @@ class Watchdog:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.check()
+        # Each worker's pidfd wakes this thread the moment it dies, while it is still a zombie whose exit status
+        # can be read without reaping it: torchrun's agent reaps it at its next check (every 0.1 s).
+        next_check = time.monotonic() + self._interval
+        while not self._stop.is_set():
+            poller = select.poll()
+            poller.register(self._wake_read, select.POLLIN)
+            for fd in self._workers.values():
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
+            poller.poll(max(0.0, next_check - time.monotonic()) * 1000)
+            if self._stop.is_set():
+                break
+            try:
+                os.read(self._wake_read, 4096)
+            except BlockingIOError:
+                pass
+            self.collect()
+            if time.monotonic() >= next_check:
+                self.check()
+                self.watch_children()
+                self.collect()  # workers without a pidfd, and those that died meanwhile
+                next_check = time.monotonic() + self._interval
+
+    def _on_child_exit(self, signum: int, frame: object) -> None:
+        # Python runs this on the main thread, where torchrun's agent reaps its workers between its checks: here,
+        # before the agent's next check, each ended worker's status is read (and left to the agent to reap).
+        # The pidfds alone would race the agent's check by the few milliseconds this process takes to wake.
+        for pid in _children():
+            if pid in self._done or pid in self._statuses:
+                continue
+            try:
+                status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if status is not None:
+                self._statuses[pid] = status
+        self._wake()  # publishing takes the store's time: the watchdog's thread does it
+        if callable(self._previous_sigchld):
+            self._previous_sigchld(signum, frame)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"x")
+        except BlockingIOError:
+            pass  # woken already
+
+    def watch_children(self) -> None:
+        """Start watching each new child (a worker), from its start: it may die before its first heartbeat is read."""
+        for pid in _children():
+            if pid not in self._workers and _is_child(pid):  # alive: a pid used again is a new worker
+                self._done.discard(pid)
+                self._workers[pid] = _pidfd(pid)
+
+    def collect(self) -> list[dict]:
+        """Publish a failure for each known worker that died without a word; returns the failures published."""
+        published = []
+        for pid in {*self._workers, *self._statuses} - self._done:
+            status = self._statuses.pop(pid, None)
+            if status is None:
+                try:
+                    status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # read, left to reap
+                except ChildProcessError:
+                    status = None  # reaped already (torchrun's agent was first): how it ended is unknown
+                else:
+                    if status is None:
+                        continue  # alive
+            fd = self._workers.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+            self._done.add(pid)
+            killed = pid in self._killed
+            if killed:  # said already, and its file removed
+                reason, beat = self._killed.pop(pid)
+            else:
+                # A heartbeat file left behind: it ended without saying why (a worker that did removed it).
+                beat = self._left_behind(pid)
+                reason = death_reason(status, beat) if beat is not None else None
+            if reason is None:
+                continue  # it ended having said why, cleanly, stopped from outside, or before training
+            failure = publish_death(pid, beat, reason, announce=not killed)
+            if failure is not None:
+                published.append(failure)
+        self.published += published
+        return published
+
+    def _left_behind(self, pid: int) -> dict | None:
+        """The heartbeat file that the ended worker `pid` left behind, read; None if it has none."""
+        for path in self.folder.glob("*.json") if self.folder is not None else []:
+            try:
+                beat = json.loads(path.read_text())
+                if int(beat["pid"]) == pid:
+                    return beat
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return None
 
     def check(self, now: float | None = None) -> list[str]:
         """Kill every child worker whose heartbeat is older than its limit; returns what was said about each."""
@@ -81,6 +208,7 @@ class Watchdog:
                 continue
             path.unlink(missing_ok=True)
             print(line, file=sys.stderr, flush=True)
+            self._killed[pid] = (f"ended by its node's trainaccel run: {line.split(': ', 2)[2]}", beat)
             said.append(line)
         self.ended += said
         return said
@@ -100,3 +228,104 @@ def _is_child(pid: int) -> bool:
     """Whether `pid` is a live child of this process (its workers are; a reused pid is not)."""
     stat = process_stat(pid)
     return stat is not None and stat[0] != "Z" and stat[1] == os.getpid()
+
+
+def death_reason(status: os.waitid_result | None, beat: dict) -> str | None:
+    """Why a worker's process ended, from its exit status, as its failure says; None: no failure of its own."""
+    if status is None:  # unknown: a script may end itself with os._exit(0)
+        return None
+    if status.si_code == os.CLD_EXITED:
+        if status.si_status == 0:
+            return None
+        return f"its process exited with status {status.si_status} without a Python error"
+    number = status.si_status
+    try:
+        sig = signal.Signals(number)
+    except ValueError:
+        return f"its process was ended by signal {number} without a Python error"
+    if sig in STOPPING_SIGNALS:
+        return None
+    text = f"its process was ended by {sig.name} (signal {number}) without a Python error"
+    if sig == signal.SIGABRT and beat.get("nccl"):
+        return text + ": NCCL's watchdog ends a worker so when one of its collectives timed out"
+    if sig == signal.SIGABRT:
+        return text + ": abort() in native code"
+    if sig in CRASH_SIGNALS:
+        return text + ": a crash in native code"
+    if sig == signal.SIGKILL:
+        return text + ": killed from outside (the kernel's out-of-memory killer, or a user)"
+    return text
+
+
+def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> dict | None:
+    """Publish, in the job's store, the failure of a worker that died without a word (unless a failure is there
+    already: the worker's own, or an earlier one); returns the failure published, or None."""
+    from torch.distributed import TCPStore
+
+    from trainaccel.comm import failfast
+
+    rank, local_rank = beat.get("rank"), beat.get("local_rank")
+    if announce:
+        print(
+            f"trainaccel run: local rank {local_rank} (rank {rank}, pid {pid}): {reason}", file=sys.stderr, flush=True
+        )
+    # The worker wrote its store's address in its heartbeat file: the store under torch's prefixes that it
+    # connected to, whichever way the script started its group (env:// with torchrun's agent store or rank 0's,
+    # tcp://, another launcher's variables). torchrun's MASTER_ADDR/MASTER_PORT name only the agent's default,
+    # and torch's key prefixes change between versions; the worker's own account of it does neither.
+    address, key = beat.get("store"), beat.get("key")
+    if not address or key is None:
+        return None  # not a TCP store (a file, a hash map): nothing this process can reach
+    host, port = address
+    failure = failfast.failure_record(
+        rank,
+        f"{reason} (published by its node's trainaccel run)",
+        host=beat.get("host"),
+        node=beat.get("node"),
+        local_rank=local_rank,
+    )
+    try:
+        timeout = timedelta(seconds=STORE_CONNECT_S)
+        # Bounded twice: a store cut off without a reset never answers, and TCPStore retries refused connections.
+        store = failfast.bounded(
+            lambda: TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False),
+            STORE_CONNECT_S + 1,
+        )
+        if not failfast.publish_record(store, failure, key):
+            return None
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"trainaccel run: rank {rank}'s failure is not published: the job's store ({host}:{port}) did not "
+            f"answer ({type(e).__name__}: {first})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    failfast.await_readers(store, key, int(beat.get("world", 1)) - 1)  # before this node's agent takes the store
+    return failure
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor readable once `pid` ended; None where the kernel has none (it is then looked at each check)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def _children() -> list[int]:
+    """This process's live children: torchrun's agent starts its workers from it."""
+    me = os.getpid()
+    try:  # the kernel's own list, per thread of this process
+        listed = [Path(f"/proc/{me}/task/{tid}/children").read_text().split() for tid in os.listdir(f"/proc/{me}/task")]
+        return [int(pid) for pids in listed for pid in pids]
+    except (OSError, ValueError):
+        pass
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            stat = process_stat(int(entry.name))
+            if stat is not None and stat[1] == me and stat[0] != "Z":
+                found.append(int(entry.name))
+    return found
