@@ -27,7 +27,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     mapped = map_mpi_env()
     config = Config.resolve(**options)
     _configure_logging(config.log_level)
-    from trainaccel.comm.failfast import set_collective_timeout
+    from trainaccel.resilience.failfast import set_collective_timeout
 
     set_collective_timeout(config.collective_timeout)
     _key_groups_by_attempt()
@@ -97,7 +97,7 @@ def _explain_uncaught_failures() -> None:
     previous = sys.excepthook
 
     def excepthook(kind: type, error: BaseException, tb: Any) -> None:
-        from trainaccel.comm.failfast import failed
+        from trainaccel.resilience.failfast import failed
 
         failed(error)
         previous(kind, error, tb)

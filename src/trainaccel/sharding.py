@@ -23,11 +23,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
-from trainaccel.comm import failfast
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
 from trainaccel.devices import group_device
 from trainaccel.observer import observe, process_step, watch_optimizer_steps
+from trainaccel.resilience import failfast
 
 MODES = ("full", "hybrid")
 _SPARSE = ("Embedding", "EmbeddingBag")

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from conftest import free_port, trainaccel_cmd
 from trainaccel.bench.faults import ProcessTree
-from trainaccel.comm.failfast import failure_record, publish_record
 from trainaccel.launch.watchdog import death_reason
+from trainaccel.resilience.failfast import failure_record, publish_record
 
 WORKER = Path(__file__).resolve().parents[2] / "src" / "trainaccel" / "bench" / "fault_worker.py"
 AT = 5

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainaccel.comm import checkpoint, failfast, momentum
+from trainaccel.comm import checkpoint, momentum
 from trainaccel.comm.autotune import Autotuner, Candidate, autotune_comm_hook, candidate_configs, warmup_steps
 from trainaccel.comm.codecs import ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exchange import warn_if_gathering_costs_more
@@ -24,6 +24,7 @@ from trainaccel.context import info_once, warn_once
 from trainaccel.monitor import timeline
 from trainaccel.monitor.ddp import watch_steps
 from trainaccel.observer import observe, observer_of
+from trainaccel.resilience import failfast
 
 
 def register(ddp_model: DistributedDataParallel, config: Config | None = None, **options: Any) -> CommState | Autotuner:

@@ -33,13 +33,13 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
-from trainaccel.comm import failfast
 from trainaccel.comm.outer_sync import OuterSync, resolve
 from trainaccel.comm.scheduler import comm_thread
 from trainaccel.comm.topology import discover, node_group
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
 from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
+from trainaccel.resilience import failfast
 
 # What the one-time warning says each scope was measured to cost (docs/BENCHMARKS.md: 300 steps, AdamW, 2 nodes x 2).
 _MEASURED = {

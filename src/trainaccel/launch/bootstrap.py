@@ -38,7 +38,7 @@ def _run(argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
     except BaseException as error:
-        from trainaccel.comm.failfast import failed
+        from trainaccel.resilience.failfast import failed
 
         # The missing peers, shown with the traceback and in torchrun's failure report; and every other
         # rank's heartbeat ends its worker, naming this one, instead of leaving it to wait for a timeout.

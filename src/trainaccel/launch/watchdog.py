@@ -262,7 +262,7 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
     already: the worker's own, or an earlier one); returns the failure published, or None."""
     from torch.distributed import TCPStore
 
-    from trainaccel.comm import failfast
+    from trainaccel.resilience import failfast
 
     rank, local_rank = beat.get("rank"), beat.get("local_rank")
     if announce:

@@ -97,7 +97,7 @@ def test_timeouts_apply_to_groups_created_without_one():
     from torch.distributed import distributed_c10d
 
     import trainaccel
-    from trainaccel.comm.failfast import set_collective_timeout
+    from trainaccel.resilience.failfast import set_collective_timeout
 
     set_collective_timeout(12.5)
     try:
@@ -123,7 +123,7 @@ def test_stacks_are_shown_on_abort_where_nccls_watchdog_may_end_the_process(monk
     import torch.distributed as dist
 
     import trainaccel
-    from trainaccel.comm.failfast import show_stacks_on_abort
+    from trainaccel.resilience.failfast import show_stacks_on_abort
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     was = faulthandler.is_enabled()  # pytest's own

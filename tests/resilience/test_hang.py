@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from trainaccel.comm.failfast import (
+from trainaccel.config import Config, ConfigError
+from trainaccel.launch.watchdog import Watchdog
+from trainaccel.resilience.failfast import (
     HANG_MIN_S,
     HangJudge,
     StepClock,
     describe_failure,
     hang_deadline,
 )
-from trainaccel.config import Config, ConfigError
-from trainaccel.launch.watchdog import Watchdog
 
 
 def beat(step, time_, forwards=None, step_s=0.1, node="1"):

@@ -1,0 +1,1 @@
+"""Resilience: heartbeats, the hang judge and fail-fast (a failure published, every node's job ended)."""
