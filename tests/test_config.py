@@ -84,6 +84,26 @@ def test_values_are_normalised():
         ),
         ({"nan_check": "loud"}, {}, {}, "invalid nan_check='loud' (from keyword); accepted: off, warn, raise"),
         (
+            {"on_lost_replica": "continue"},
+            {},
+            {},
+            "invalid on_lost_replica='continue'; accepted: stop without sync_every: under per-step DDP no replica can "
+            "go on without every gradient",
+        ),
+        (
+            {"on_lost_replica": "continue", "sync_every": 4, "shard": "hybrid"},
+            {},
+            {},
+            "invalid on_lost_replica='continue'; accepted: stop with shard=hybrid (a sharded replica's workers "
+            "exchange at every step)",
+        ),
+        (
+            {},
+            {"TRAINACCEL_ON_LOST_REPLICA": "pause"},
+            {},
+            "invalid on_lost_replica='pause' (from TRAINACCEL_ON_LOST_REPLICA); accepted: stop, continue",
+        ),
+        (
             {},
             {"TRAINACCEL_LOG_LEVEL": "chatty"},
             {},

@@ -270,6 +270,12 @@ class Config:
         "under sync_every, optimizer steps a sync's exchange runs behind training before its result is applied "
         "(the steps taken meanwhile are kept on top of it); 0: each sync waits for its exchange",
     )
+    on_lost_replica: str = _option(
+        "stop",
+        _choice("stop", "continue"),
+        "under sync_every, what the other replicas do when one dies, hangs or is cut off: stop (every node's job "
+        "ends, as under per-step DDP) or continue (they leave it out from the next sync on and train on)",
+    )
     outer_optimizer: str = _option(
         "average",
         _choice("average", "nesterov", "sgd"),
@@ -473,6 +479,12 @@ class Config:
                     config.sync_overlap,
                     f"at most sync_every={every}: a fragment's sync is applied by the time its next one starts",
                 )
+        if config.on_lost_replica == "continue" and not config.sync_every:
+            raise ConfigError(
+                "on_lost_replica",
+                config.on_lost_replica,
+                "stop without sync_every: under per-step DDP no replica can go on without every gradient",
+            )
         if config.shard != "off":
             _check_shard(config)
         if config.sync_every:
@@ -524,6 +536,7 @@ _SHARD_ACCEPTS: dict[str, tuple[tuple[Any, ...], str]] = {
     "sync_warmup": ((0,), "its steps would need DDP's per-step exchange"),
     "sync_scope": (("auto", "node"), "shard=hybrid reduces within each node at every step"),
     "local_steps": ((1,), "use the script's no_sync()"),
+    "on_lost_replica": (("stop",), "a sharded replica's workers exchange at every step"),
     "autotune": (("off",), "it times DDP's reductions"),
     "bucket_mb": ((None,), "FSDP2 reduces block by block, sized by shard_min_params"),
     "amp": (("off", "bf16"), "bf16 is FSDP2's MixedPrecisionPolicy; fp16 would need loss scaling"),

@@ -93,6 +93,7 @@ class DiLoCo:
         sync_warmup: int | None = None,
         sync_fragments: int | None = None,
         sync_overlap: int | None = None,
+        on_lost_replica: str | None = None,
         process_group: Any = None,
         config: Config | None = None,
     ):
@@ -101,6 +102,7 @@ class DiLoCo:
         given["outer_lr"] = outer_lr
         given["outer_momentum"], given["sync_warmup"] = outer_momentum, sync_warmup
         given["sync_fragments"], given["sync_overlap"] = sync_fragments, sync_overlap
+        given["on_lost_replica"] = on_lost_replica
         config = resolve(config, {k: v for k, v in given.items() if v is not None})  # OuterSync checks sync_every
         if config.sync_warmup and not isinstance(model, DistributedDataParallel):
             raise ValueError(
@@ -246,6 +248,12 @@ class DiLoCo:
     def next_sync(self) -> int:
         """`steps` at which the next regular sync (of any fragment) starts."""
         return self.outer.next_sync
+
+    @property
+    def members(self) -> list[int]:
+        """The global ranks taking part in the syncs (fewer than the group's once on_lost_replica=continue left
+        some out)."""
+        return self.outer.members
 
     @property
     def fragments(self) -> list[list[torch.Tensor]]:

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm.codecs import ErrorFeedback, get_codec
+from trainaccel.comm.codecs import Codec, ErrorFeedback, get_codec
 from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
@@ -38,6 +39,9 @@ from trainaccel.comm.topology import discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
 from trainaccel.devices import group_device
+from trainaccel.resilience import failfast
+from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
+from trainaccel.resilience.membership import Membership
 
 log = logging.getLogger("trainaccel")
 
@@ -102,6 +106,8 @@ class OuterSync:
         "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), seconds in syncs]",
         "_measured": "auto: the future of the slowest rank's (sync, step) seconds, read at the next round's end",
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
+        "_hang_timeout": "the job's hang_timeout: how long the syncs wait for a member alive but absent",
+        "_membership": "on_lost_replica=continue: the replicas taking part in the syncs (None: the whole group)",
         "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
     }
 
@@ -159,6 +165,10 @@ class OuterSync:
         self.live_is_synced, self._synced_buffers = False, []
         self._hierarchy: HierarchicalReduce | None = None
         self.use_scope(scope, config.hierarchical)
+        self._hang_timeout = config.hang_timeout
+        self._membership: Membership | None = None
+        if config.on_lost_replica == "continue":
+            self._survive_lost_replicas(config)
         # The payloads are gathered across nodes only when the change goes in two levels.
         across = self._hierarchy.topology.num_nodes if self._hierarchy is not None else dist.get_world_size(self.group)
         warn_if_gathering_costs_more(self._codec, across, "parameter", "outer_compression")
@@ -174,6 +184,32 @@ class OuterSync:
         self._hierarchy = (
             HierarchicalReduce(topology, self._codec, self._feedback, check=True) if topology is not None else None
         )
+
+    def _survive_lost_replicas(self, config: Config) -> None:
+        """on_lost_replica=continue: the syncs run over the replicas present (`Membership`), flat; a lost peer no
+        longer ends this worker."""
+        if self.scope != "rank":
+            raise ValueError(
+                "on_lost_replica=continue works with sync_scope=rank only for now (under node, a node's workers "
+                "exchange at every step, which a lost worker stops): use sync_scope=rank, or on_lost_replica=stop"
+            )
+        if self.sync_every == "auto":
+            raise ValueError(
+                "on_lost_replica=continue needs a fixed sync_every for now (auto's interval is agreed over the whole "
+                "group): give a number, or use on_lost_replica=stop"
+            )
+        if self._hierarchy is not None:
+            info_once("on_lost_replica=continue: the syncs are flat over the replicas present (no two-level form)")
+            self._hierarchy = None
+        self._membership = Membership(self._engine_group, config.collective_timeout)
+        failfast.survive_lost_peers()
+
+    @property
+    def members(self) -> list[int]:
+        """The global ranks taking part in the syncs (all of the group's, unless on_lost_replica=continue lost some)."""
+        if self._membership is not None:
+            return list(self._membership.members)
+        return dist.get_process_group_ranks(self.group)
 
     @property
     def started(self) -> bool:
@@ -304,6 +340,8 @@ class OuterSync:
         world = dist.get_world_size(self.group)
         node = self.scope == "node"
         replicas = self._hierarchy.topology.num_nodes if node else world
+        if self._membership is not None:
+            replicas = world = 1  # divided by the members present when the sync runs
         with torch.no_grad():
             values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
             # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
@@ -313,22 +351,12 @@ class OuterSync:
         if buffers is not None:
             buffers.div_(world)
         hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
-
-        def average() -> tuple[torch.Tensor, torch.Tensor | None, int]:
-            if hierarchy is not None:
-                before = hierarchy.bytes_sent
-                mean = hierarchy.reduce(change, fragment.key, replicated=node)[0]
-                sent = hierarchy.bytes_sent - before
-            else:
-                # check=True: a sync every few steps can afford the host read, and the exact retry's sum names only
-                # the parameters that were not finite (a block codec's would spread them over their blocks).
-                outcome = start_exchange(codec, feedback, change, fragment.key, group, check=True).finish()
-                mean, sent = outcome.result.float(), outcome.sent
-            if buffers is not None:
-                dist.all_reduce(buffers, group=group)
-                sent += buffers.numel() * buffers.element_size()
-            return mean, buffers, sent
-
+        if self._membership is not None:
+            name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
+            average = self._among_members(fragment, change, buffers, name)
+        else:
+            key = fragment.key
+            average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
         overlapped = outer and self.overlap > 0
         snapshot = None  # what the steps taken while the exchange runs are measured from
         if overlapped:
@@ -337,6 +365,34 @@ class OuterSync:
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
             self._finish(fragment, outer)
+
+    def _among_members(
+        self, fragment: _Fragment, change: torch.Tensor, buffers: torch.Tensor | None, sync: str
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, int]]:
+        """on_lost_replica=continue: the sync's exchange over the members present (`Membership.run`), each try from
+        the same inputs and the residual as it was before the sync."""
+        membership, codec, feedback, key = self._membership, self._codec, self._feedback, fragment.key
+        steps = sorted(self._timing[1])
+        hang_s = hang_deadline(self._hang_timeout, [steps[len(steps) // 2] if steps else None])
+        if hang_s is None and self._hang_timeout == "auto":  # no step timed yet: auto's least deadline
+            hang_s = HANG_MIN_S
+        kept = feedback.residuals.get(key) if feedback is not None else None
+        kept = kept.clone() if kept is not None else None
+
+        def exchange(group: Any, members: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+            if feedback is not None:  # a try that is not applied leaves no trace in the residual
+                feedback.residuals.pop(key, None)
+                if kept is not None:
+                    feedback.residuals[key] = kept.clone()
+            outcome = start_exchange(codec, feedback, change.div(members), key, group, check=True).finish()
+            mean, sent, mine = outcome.result.float(), outcome.sent, None
+            if buffers is not None:
+                mine = buffers.div(members)
+                dist.all_reduce(mine, group=group)
+                sent += mine.numel() * mine.element_size()
+            return mean, mine, sent
+
+        return functools.partial(membership.run, sync, exchange, hang_s)
 
     def _finish(self, fragment: _Fragment, outer: bool) -> None:
         """Apply a fragment's averaged change: the outer step (`outer`) or the replicas' mean (sync()).
@@ -517,6 +573,32 @@ class OuterSync:
             self._feedback.residuals = {key: value.to(device, copy=True) for key, value in state["residuals"].items()}
         if getattr(self._codec, "scales", None) is not None:
             self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
+
+
+def _average(
+    hierarchy: HierarchicalReduce | None,
+    codec: Codec,
+    feedback: ErrorFeedback | None,
+    group: Any,
+    key: str,
+    change: torch.Tensor,
+    buffers: torch.Tensor | None,
+    node: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """A sync's exchange over the whole group (on the communication thread): the mean change, buffers, bytes."""
+    if hierarchy is not None:
+        before = hierarchy.bytes_sent
+        mean = hierarchy.reduce(change, key, replicated=node)[0]
+        sent = hierarchy.bytes_sent - before
+    else:
+        # check=True: a sync every few steps can afford the host read, and the exact retry's sum names only the
+        # parameters that were not finite (a block codec's would spread them over their blocks).
+        outcome = start_exchange(codec, feedback, change, key, group, check=True).finish()
+        mean, sent = outcome.result.float(), outcome.sent
+    if buffers is not None:
+        dist.all_reduce(buffers, group=group)
+        sent += buffers.numel() * buffers.element_size()
+    return mean, buffers, sent
 
 
 def anchor_home(device: torch.device) -> torch.device | None:

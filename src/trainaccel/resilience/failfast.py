@@ -46,9 +46,11 @@ AWAIT_POLL_S = 0.05  # how often await_peers reads the store and the heartbeats
 _heartbeat: Heartbeat | None = None
 _reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> what to write
 _published = False  # this process published the job's failure
+_survivors = False  # on_lost_replica=continue: a peer's failure, death or hang drops it at the next sync instead
 
 
-def _prefix() -> str:
+def job_prefix() -> str:
+    """The prefix of this job attempt's keys in the store (heartbeats, the published failure, the membership)."""
     # Keyed by torchrun's attempt: a restarted job's store may still hold the last attempt's beats and failure.
     return f"trainaccel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
@@ -90,7 +92,7 @@ class Heartbeat:
         self._hang_timeout = config.hang_timeout
         host, local_rank = worker_place()
         self._place = {"host": host, "node": os.environ.get("GROUP_RANK"), "local_rank": local_rank}
-        self._key = _prefix()
+        self._key = job_prefix()
         self._stop = threading.Event()
         self._steps = StepClock()
         self._answered = time.monotonic()  # when the store last answered
@@ -118,15 +120,18 @@ class Heartbeat:
             **extra,
         }
         self._store.set(f"{self._key}heartbeat/{self.rank}", json.dumps(beat))
-        if self._store.check([self._key + "failure"]):
+        if _survivors and self._store.check([f"{self._key}lost/{self.rank}"]):
+            why = self._store.get(f"{self._key}lost/{self.rank}").decode()
+            end_process(f"ending rank {self.rank}: the other replicas went on without it: {why}")
+        if not _survivors and self._store.check([self._key + "failure"]):
             failure = json.loads(self._store.get(self._key + "failure"))
             if failure["by"] != self.rank:
                 self._store.add(self._key + "failure-read", 1)  # its publisher waits for every peer to read it
                 end_process(f"ending rank {self.rank}: {describe_failure(failure)}")
         if not self._leaving_seen and self._store.check([self._key + "left"]):
             self._leaving_seen = True
-        if self._judge is not None and not self._leaving_seen:
-            beats = _read_heartbeats(self._store, self.size, self._key)
+        if self._judge is not None and not self._leaving_seen and not _survivors:
+            beats = read_heartbeats(self._store, self.size, self._key)
             verdict = self._judge.observe(beats, time.monotonic(), self.size)
             if verdict is not None:
                 end_process(f"ending rank {self.rank}: {verdict.text}", publish=verdict, store=self._store)
@@ -339,7 +344,7 @@ def publish_failure(reason: Verdict | BaseException | str, store: Any = None) ->
         host, local_rank = worker_place()
         failure = failure_record(me, text, host=host, node=os.environ.get("GROUP_RANK"), local_rank=local_rank)
     try:
-        publish_record(store, failure, _prefix())
+        publish_record(store, failure, job_prefix())
     except Exception as e:  # the store is gone too: the peers find out from it
         log.debug("failure not published (%s)", e)
         return
@@ -462,6 +467,26 @@ def start_heartbeat() -> None:
         log.debug("no heartbeat (%s: %s): collective failures will not name the missing peers", type(e).__name__, e)
 
 
+def survive_lost_peers() -> None:
+    """Until shutdown, a peer's failure, death or hang no longer ends this worker: the membership of the syncs
+    (`resilience.membership`) drops that peer at the next sync. This worker still ends when the store is gone, or
+    when the others dropped it."""
+    global _survivors
+    if context.first_time("survive lost peers"):
+        context.on_undo("survive lost peers", _stop_surviving)
+    _survivors = True
+
+
+def surviving() -> bool:
+    """Whether `survive_lost_peers()` is in effect."""
+    return _survivors
+
+
+def _stop_surviving() -> None:
+    global _survivors
+    _survivors = False
+
+
 def show_stacks_on_abort() -> None:
     """On a default group that reduces CUDA tensors with NCCL: every thread's Python stack on a fatal signal (until
     shutdown). NCCL's watchdog ends a worker whose collective timed out with abort(), which no Python code outlives;
@@ -488,7 +513,7 @@ def heartbeats() -> dict[int, dict] | None:
     """Every worker's latest heartbeat by rank (read now, from the main thread); None without a heartbeat."""
     if _heartbeat is None:
         return None
-    return _read_heartbeats(root_store(distributed_c10d._get_default_store()), dist.get_world_size(), _heartbeat._key)
+    return read_heartbeats(root_store(distributed_c10d._get_default_store()), dist.get_world_size(), _heartbeat._key)
 
 
 def collective_timeout_s() -> float:
@@ -584,7 +609,7 @@ def explain(error: BaseException) -> str | None:
     me, mine = _heartbeat.rank, _heartbeat._progress()
     try:
         world = dist.get_world_size()
-        read = functools.partial(_read_heartbeats, _heartbeat._store, world, _heartbeat._key)
+        read = functools.partial(read_heartbeats, _heartbeat._store, world, _heartbeat._key)
         before = bounded(read, 2 * _heartbeat._interval)
         time.sleep(1.5 * _heartbeat._interval)
         after = bounded(read, 2 * _heartbeat._interval)
@@ -653,7 +678,8 @@ def failed(error: BaseException) -> None:
     publish_failure(error if not isinstance(error, SystemExit) else f"the script exited with status {error.code}")
 
 
-def _read_heartbeats(store: dist.Store, world: int, prefix: str) -> dict[int, dict]:
+def read_heartbeats(store: dist.Store, world: int, prefix: str) -> dict[int, dict]:
+    """Every rank's last heartbeat in the store, by rank (a rank that never beat is left out)."""
     keys = {rank: f"{prefix}heartbeat/{rank}" for rank in range(world)}
     if store.check(list(keys.values())):  # every rank beats: one round trip
         return {rank: json.loads(value) for rank, value in zip(keys, store.multi_get(list(keys.values())))}

@@ -1,0 +1,69 @@
+"""on_lost_replica=continue on 3 emulated nodes x 1 worker (`trainaccel run` per node): rank 2 is lost, the others
+train on to the end over the replicas present (scripts/lost_replica.py), and end with equal parameters."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import SCRIPTS, free_port, trainaccel_cmd
+
+pytestmark = pytest.mark.multiprocess
+
+NODES = 3
+DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
+
+
+def launch(tmp_path, how: str) -> tuple[list[dict], list[str]]:
+    """The job, until both survivors wrote their results; every process of every node is ended after."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
+    procs = []
+    for node, log in enumerate(logs):
+        with open(log, "w") as out:
+            command = [
+                *trainaccel_cmd(),
+                *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
+                *["--master-addr", "127.0.0.1", "--master-port", str(port)],
+                *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
+            ]
+            procs.append(
+                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
+            )
+    results = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    began = time.monotonic()
+    try:
+        while not all(r.exists() for r in results) and time.monotonic() - began < DEADLINE_S:
+            if all(proc.poll() is not None for proc in procs):
+                break
+            time.sleep(0.5)
+        time.sleep(1.0)  # the files are written whole before the process moves on
+    finally:
+        # torchrun's agents then wait at their exit barrier for the lost node's agent (docs/communication.md).
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    outputs = [log.read_text() for log in logs]
+    assert all(r.exists() for r in results), "\n".join(o[-3000:] for o in outputs)
+    return [json.loads(r.read_text()) for r in results], outputs
+
+
+@pytest.mark.parametrize("how", ["kill", "error", "mid_sync"])
+def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how):
+    (first, second), outputs = launch(tmp_path, how)
+    assert first["members"] == second["members"] == [0, 1]
+    assert first["syncs"] == second["syncs"] == 6  # every sync of the 24 steps, none skipped
+    assert first["params"] == second["params"]  # the last sync's mean, the same bits on both
+    assert not (tmp_path / "rank2.json").exists()
+    for result in (first, second):
+        assert sum(result["losses"][-4:]) < 0.5 * sum(result["losses"][:4]), result["losses"]
+    said = outputs[0] + outputs[1]
+    assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
+    assert "ending rank 0" not in said and "ending rank 1" not in said

@@ -1,0 +1,51 @@
+"""on_lost_replica=continue in one process: what it refuses, and that a job without losses syncs as under stop."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import trainaccel
+from trainaccel.comm import DiLoCo, OuterSync
+from trainaccel.resilience import failfast
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    trainaccel.shutdown()
+    dist.destroy_process_group()
+
+
+def _train(on_lost_replica: str) -> tuple[list[torch.Tensor], DiLoCo]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, optimizer, sync_every=3, outer_optimizer="nesterov", on_lost_replica=on_lost_replica)
+    for i in range(9):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(5, 4, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :2]).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], diloco
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_without_a_loss_continue_syncs_as_stop_does():
+    stopped, _ = _train("stop")
+    trainaccel.shutdown()
+    continued, diloco = _train("continue")
+    assert diloco.members == [0] and diloco.syncs == 3 and failfast.surviving()
+    assert all(torch.equal(a, b) for a, b in zip(stopped, continued))
+    trainaccel.shutdown()
+    assert not failfast.surviving()  # shutdown() undoes it
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_continue_refuses_what_it_cannot_do_yet_in_one_line():
+    params = [nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match="on_lost_replica=continue needs a fixed sync_every for now") as raised:
+        OuterSync(params, sync_every="auto", on_lost_replica="continue")
+    assert "\n" not in str(raised.value)

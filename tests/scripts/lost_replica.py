@@ -1,0 +1,55 @@
+"""DiLoCo under on_lost_replica=continue on 3 nodes x 1 worker: rank 2 is lost at inner step LOSE_AT, the others
+train on; each survivor writes OUT_DIR/rank{r}.json (members, syncs, its parameters, its losses).
+
+How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an exception: its launcher ends it),
+`mid_sync` (SIGKILL after the third sync's exchange, before its vote: the others must redo that sync without it).
+Usage: lost_replica.py OUT_DIR HOW
+"""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainaccel.comm import DiLoCo
+from trainaccel.resilience import membership
+
+STEPS, EVERY, LOSE_AT = 24, 4, 9
+out_dir, how = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+if how == "mid_sync" and rank == 2:
+    vote = membership.Membership._vote
+
+    def dying_vote(self, name, ok, hang_s):
+        if name.startswith("diloco/0@12."):  # the third sync (step 12), after its exchange succeeded everywhere
+            os.kill(os.getpid(), signal.SIGKILL)
+        return vote(self, name, ok, hang_s)
+
+    membership.Membership._vote = dying_vote
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+diloco = DiLoCo(model, optimizer, sync_every=EVERY, on_lost_replica="continue")
+data = torch.Generator().manual_seed(rank)
+losses = []
+for step in range(1, STEPS + 1):
+    if rank == 2 and step == LOSE_AT and how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2 and step == LOSE_AT and how == "error":
+        raise RuntimeError("rank 2 failed on purpose")
+    x = torch.randn(16, 8, generator=data)
+    loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+params = torch.cat([p.detach().flatten() for p in model.parameters()])  # step 24 syncs: the replicas' mean
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump({"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}, f)
