@@ -108,9 +108,7 @@ class Membership:
         gone = sorted(set(self.members) - set(members))
         if gone:
             reasons = "; ".join(f"rank {r}: {self._why_lost_already(r) or 'lost'}" for r in gone)
-            log.warning(
-                "sync %s goes on with %d of %d replicas, without %s", name, len(members), self.size, reasons
-            )
+            log.warning("sync %s goes on with %d of %d replicas, without %s", name, len(members), self.size, reasons)
         return members
 
     def _vote(self, name: str, ok: bool, hang_s: float | None) -> bool:
