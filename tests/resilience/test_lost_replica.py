@@ -55,11 +55,14 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str]]:
     return [json.loads(r.read_text()) for r in results], outputs
 
 
-@pytest.mark.parametrize("how", ["kill", "error", "mid_sync"])
+@pytest.mark.parametrize("how", ["kill", "error", "freeze", "mid_sync", "auto"])
 def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how):
     (first, second), outputs = launch(tmp_path, how)
     assert first["members"] == second["members"] == [0, 1]
-    assert first["syncs"] == second["syncs"] == 6  # every sync of the 24 steps, none skipped
+    if how != "auto":  # auto's interval follows the measured times
+        assert first["syncs"] == second["syncs"] == 6  # every sync of the 24 steps, none skipped
+    else:
+        assert first["syncs"] == second["syncs"] >= 2
     assert first["params"] == second["params"]  # the last sync's mean, the same bits on both
     assert not (tmp_path / "rank2.json").exists()
     for result in (first, second):

@@ -2,7 +2,8 @@
 train on; each survivor writes OUT_DIR/rank{r}.json (members, syncs, its parameters, its losses).
 
 How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an exception: its launcher ends it),
-`mid_sync` (SIGKILL after the third sync's exchange, before its vote: the others must redo that sync without it).
+`freeze` (SIGSTOP: alive but frozen, its heartbeat stopped too), `mid_sync` (SIGKILL after the third sync's exchange,
+before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto).
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -36,12 +37,14 @@ if how == "mid_sync" and rank == 2:
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-diloco = DiLoCo(model, optimizer, sync_every=EVERY, on_lost_replica="continue")
+diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
 losses = []
 for step in range(1, STEPS + 1):
-    if rank == 2 and step == LOSE_AT and how == "kill":
+    if rank == 2 and step == LOSE_AT and how in ("kill", "auto"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2 and step == LOSE_AT and how == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if rank == 2 and step == LOSE_AT and how == "error":
         raise RuntimeError("rank 2 failed on purpose")
     x = torch.randn(16, 8, generator=data)
@@ -50,6 +53,7 @@ for step in range(1, STEPS + 1):
     loss.backward()
     optimizer.step()
     losses.append(loss.item())
-params = torch.cat([p.detach().flatten() for p in model.parameters()])  # step 24 syncs: the replicas' mean
+diloco.sync()  # the replicas' mean now (nothing to do where step 24 was a sync)
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}, f)

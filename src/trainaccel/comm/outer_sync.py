@@ -132,6 +132,11 @@ class OuterSync:
             )
         if scope not in SCOPES:
             raise ValueError(f"invalid scope={scope!r}; accepted: {', '.join(SCOPES)}")
+        if config.on_lost_replica == "continue" and scope != "rank":
+            raise ValueError(
+                "on_lost_replica=continue works with sync_scope=rank only for now (under node, a node's workers "
+                "exchange at every step, which a lost worker stops): use sync_scope=rank, or on_lost_replica=stop"
+            )
         if not dist.is_initialized():
             raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
         self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
@@ -188,16 +193,6 @@ class OuterSync:
     def _survive_lost_replicas(self, config: Config) -> None:
         """on_lost_replica=continue: the syncs run over the replicas present (`Membership`), flat; a lost peer no
         longer ends this worker."""
-        if self.scope != "rank":
-            raise ValueError(
-                "on_lost_replica=continue works with sync_scope=rank only for now (under node, a node's workers "
-                "exchange at every step, which a lost worker stops): use sync_scope=rank, or on_lost_replica=stop"
-            )
-        if self.sync_every == "auto":
-            raise ValueError(
-                "on_lost_replica=continue needs a fixed sync_every for now (auto's interval is agreed over the whole "
-                "group): give a number, or use on_lost_replica=stop"
-            )
         if self._hierarchy is not None:
             info_once("on_lost_replica=continue: the syncs are flat over the replicas present (no two-level form)")
             self._hierarchy = None
@@ -296,10 +291,15 @@ class OuterSync:
         group = self._engine_group
         measured = torch.tensor([took, step_s], dtype=torch.float64, device=group_device(group))
 
-        def slowest() -> torch.Tensor:
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-            return measured
+        def slowest_over(group: Any, members: int = 0) -> torch.Tensor:
+            mine = measured.clone()  # each try of the membership's from the same figures
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+            return mine
 
+        if self._membership is not None:  # over the members present, decided alike as a sync is
+            slowest = functools.partial(self._membership.run, f"auto@{self.steps}", slowest_over, self._hang_s())
+        else:
+            slowest = functools.partial(slowest_over, group)
         self._measured = comm_thread().submit(slowest, measured.device)
         if previous is None:
             return
@@ -366,16 +366,21 @@ class OuterSync:
         if not overlapped:
             self._finish(fragment, outer)
 
+    def _hang_s(self) -> float | None:
+        """How long a sync waits for a member alive but absent: hang_timeout (auto: from the recent step times)."""
+        steps = sorted(self._timing[1])
+        hang_s = hang_deadline(self._hang_timeout, [steps[len(steps) // 2] if steps else None])
+        if hang_s is None and self._hang_timeout == "auto":  # no step timed yet: auto's least deadline
+            hang_s = HANG_MIN_S
+        return hang_s
+
     def _among_members(
         self, fragment: _Fragment, change: torch.Tensor, buffers: torch.Tensor | None, sync: str
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, int]]:
         """on_lost_replica=continue: the sync's exchange over the members present (`Membership.run`), each try from
         the same inputs and the residual as it was before the sync."""
         membership, codec, feedback, key = self._membership, self._codec, self._feedback, fragment.key
-        steps = sorted(self._timing[1])
-        hang_s = hang_deadline(self._hang_timeout, [steps[len(steps) // 2] if steps else None])
-        if hang_s is None and self._hang_timeout == "auto":  # no step timed yet: auto's least deadline
-            hang_s = HANG_MIN_S
+        hang_s = self._hang_s()
         kept = feedback.residuals.get(key) if feedback is not None else None
         kept = kept.clone() if kept is not None else None
 

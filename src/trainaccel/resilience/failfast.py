@@ -55,6 +55,11 @@ def job_prefix() -> str:
     return f"trainaccel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
+def lost_key(rank: int) -> str:
+    """The store key saying why the other replicas went on without `rank` (on_lost_replica=continue)."""
+    return f"{job_prefix()}lost/{rank}"
+
+
 def set_collective_timeout(seconds: float) -> None:
     """Process groups created from now on without an explicit timeout get `seconds` (any backend), until shutdown."""
 
@@ -120,8 +125,8 @@ class Heartbeat:
             **extra,
         }
         self._store.set(f"{self._key}heartbeat/{self.rank}", json.dumps(beat))
-        if _survivors and self._store.check([f"{self._key}lost/{self.rank}"]):
-            why = self._store.get(f"{self._key}lost/{self.rank}").decode()
+        if _survivors and self._store.check([lost_key(self.rank)]):
+            why = self._store.get(lost_key(self.rank)).decode()
             end_process(f"ending rank {self.rank}: the other replicas went on without it: {why}")
         if not _survivors and self._store.check([self._key + "failure"]):
             failure = json.loads(self._store.get(self._key + "failure"))

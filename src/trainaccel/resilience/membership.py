@@ -7,7 +7,8 @@ member decides alike:
 
 1. Roll call: each member writes that it reached the sync, then waits until every member has either come, or is
    lost: it failed (a published failure), its heartbeat stopped for `LOST_AFTER_S`, or it has not come within the
-   hang deadline. The first member to see the whole roll writes the decision (compare-and-set): who takes part.
+   hang deadline (and the exchange's timeout: it may be stuck in a failed one). The first member to see the whole
+   roll writes the decision (compare-and-set): who takes part.
 2. The exchange runs over the decision's group (a new one whenever the members changed or the last try failed).
 3. Vote: each member writes whether its exchange succeeded; the first to see every vote, or a member lost, writes
    the outcome. Commit: every member applies the result. Retry: the sync runs again from the roll call, from the
@@ -30,7 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from trainaccel.resilience.failfast import HEARTBEAT_S, describe_failure, job_prefix, read_heartbeats, root_store
+from trainaccel.resilience.failfast import (
+    HEARTBEAT_S,
+    describe_failure,
+    job_prefix,
+    lost_key,
+    read_heartbeats,
+    root_store,
+)
 
 log = logging.getLogger("trainaccel")
 
@@ -79,18 +87,23 @@ class Membership:
     def run(self, sync: str, exchange: Callable[[dist.ProcessGroup, int], Any], hang_s: float | None) -> Any:
         """`exchange(group, members)` over the members who reach sync `sync` (the same name on every rank), retried
         until every member's try succeeded alike; `hang_s`: how long a member alive but absent is waited for."""
+        # A member alive but absent may be inside a failed exchange until the group's timeout: waited for that long.
+        patience = None if hang_s is None else max(hang_s, self.timeout + 2 * HEARTBEAT_S)
         attempt = 0
         while True:
             name = f"{sync}.{attempt}"
-            decided = self._roll_call(name, hang_s)
-            if decided != self.members or attempt > 0:
-                self._rebuild(decided, name)
+            decided = self._roll_call(name, patience)
+            if decided != self.members or attempt > 0 or self.epoch == 0:
+                self._rebuild(decided, name)  # groups of its own from the first sync: see below
             try:
                 result, ok = exchange(self.group, self.size), True
             except Exception as e:  # a member lost mid-exchange: Gloo's connection closed, or a timeout
                 log.info("sync %s: the exchange failed on rank %d (%s: %s)", name, self.rank, type(e).__name__, e)
                 result, ok = None, False
-            if self._vote(name, ok, hang_s):
+                # Dropped, the group closes its connections: members still waiting in the same collective for this
+                # one fail at once, instead of at the group's timeout, and come to the vote.
+                self.group = None
+            if self._vote(name, ok, patience):
                 self._forget([f"{sync}.{a}" for a in range(attempt + 1)])
                 return result
             attempt += 1
@@ -99,6 +112,9 @@ class Membership:
 
     def _roll_call(self, name: str, hang_s: float | None) -> list[int]:
         key = f"{self._key}{name}/"
+        dropped = self._why_lost_already(self.rank)
+        if dropped is not None:  # judged lost while away (frozen, or stuck in a failed exchange): never back in
+            raise Dropped(f"the other replicas went on without rank {self.rank} before sync {name}: {dropped}")
         self._store.set(f"{key}here/{self.rank}", "1")
         decided = self._decide(key, "here", hang_s, lambda here, lost: json.dumps(here))
         members = json.loads(decided)
@@ -168,24 +184,22 @@ class Membership:
             elif now - seen[1] >= LOST_AFTER_S:
                 why = f"no heartbeat for {now - seen[1]:.0f} s: its process is gone, frozen or cut off"
         if why is None and hang_s is not None and waited_s >= hang_s:
-            why = f"alive, but it did not reach the sync within {hang_s:.0f} s (hang_timeout)"
+            why = f"alive, but it did not reach the sync within {hang_s:.0f} s"
         if why is None:
             return False
-        self._store.compare_set(f"{self._key}lost/{rank}", "", why)  # the first judgment stays
+        self._store.compare_set(lost_key(rank), "", why)  # the first judgment stays
         return True
 
     def _forget(self, names: list[str]) -> None:
-        """This member's keys of the previous committed sync (every member has read its outcome by now)."""
+        """This member's keys of the previous committed sync. Its decisions and outcomes stay, small: a member
+        that was away must read them, never decide them again."""
         for name in self._done:
             for what in ("here", "vote"):
                 self._store.delete_key(f"{self._key}{name}/{what}/{self.rank}")
-            if self.rank == self.members[0]:
-                for what in ("decision", "outcome"):
-                    self._store.delete_key(f"{self._key}{name}/{what}")
         self._done = names
 
     def _why_lost_already(self, rank: int) -> str | None:
-        key = f"{self._key}lost/{rank}"
+        key = lost_key(rank)
         return self._store.get(key).decode() if self._store.check([key]) else None
 
     # -- the group ---------------------------------------------------------------------------------------------
