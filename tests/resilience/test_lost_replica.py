@@ -29,6 +29,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str]]:
                 *trainaccel_cmd(),
                 *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
                 *["--master-addr", "127.0.0.1", "--master-port", str(port)],
+                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how == "zero_code" else []),
                 *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
             procs.append(
@@ -55,7 +56,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str]]:
     return [json.loads(r.read_text()) for r in results], outputs
 
 
-@pytest.mark.parametrize("how", ["kill", "error", "freeze", "mid_sync", "auto"])
+@pytest.mark.parametrize("how", ["kill", "error", "freeze", "mid_sync", "auto", "zero_code"])
 def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how):
     (first, second), outputs = launch(tmp_path, how)
     assert first["members"] == second["members"] == [0, 1]

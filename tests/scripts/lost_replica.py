@@ -3,7 +3,8 @@ train on; each survivor writes OUT_DIR/rank{r}.json (members, syncs, its paramet
 
 How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an exception: its launcher ends it),
 `freeze` (SIGSTOP: alive but frozen, its heartbeat stopped too), `mid_sync` (SIGKILL after the third sync's exchange,
-before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto).
+before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
+(SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`).
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -15,8 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainaccel.comm import DiLoCo
+from trainaccel.comm import DiLoCo, sync_replicas
+from trainaccel.observer import observer_of
 from trainaccel.resilience import membership
 
 STEPS, EVERY, LOSE_AT = 24, 4, 9
@@ -37,11 +40,15 @@ if how == "mid_sync" and rank == 2:
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
+if how == "zero_code":  # DDP as the script has it; trainaccel's options make it DiLoCo
+    model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+else:
+    diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
 losses = []
 for step in range(1, STEPS + 1):
-    if rank == 2 and step == LOSE_AT and how in ("kill", "auto"):
+    if rank == 2 and step == LOSE_AT and how in ("kill", "auto", "zero_code"):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2 and step == LOSE_AT and how == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -53,7 +60,9 @@ for step in range(1, STEPS + 1):
     loss.backward()
     optimizer.step()
     losses.append(loss.item())
-diloco.sync()  # the replicas' mean now (nothing to do where step 24 was a sync)
+sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
+if how == "zero_code":
+    diloco = observer_of(model).diloco
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}, f)
