@@ -103,13 +103,14 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    from trainaccel.launch.survivors import exit_barrier_without_lost_replicas
     from trainaccel.launch.watchdog import Watchdog
 
     worker, script = script_argv(args), args.training_script
     if not args.no_python:
         args.module, args.training_script, args.training_script_args = True, worker[1], worker[2:]
     try:
-        with Watchdog():
+        with Watchdog(), exit_barrier_without_lost_replicas():
             run(args)
     except ChildFailedError as e:
         e.name = script  # the report's title: the user's script, not the bootstrap that ran it

@@ -49,15 +49,23 @@ _published = False  # this process published the job's failure
 _survivors = False  # on_lost_replica=continue: a peer's failure, death or hang drops it at the next sync instead
 
 
-def job_prefix() -> str:
-    """The prefix of this job attempt's keys in the store (heartbeats, the published failure, the membership)."""
+def job_prefix(attempt: int | None = None) -> str:
+    """The prefix of a job attempt's keys in the store (heartbeats, the published failure, the membership); the
+    attempt: this worker's (torchrun's restart count), or `attempt` for its launcher."""
     # Keyed by torchrun's attempt: a restarted job's store may still hold the last attempt's beats and failure.
-    return f"trainaccel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if attempt is None else attempt
+    return f"trainaccel/{attempt}/"
 
 
-def lost_key(rank: int) -> str:
+def lost_key(rank: int, prefix: str | None = None) -> str:
     """The store key saying why the other replicas went on without `rank` (on_lost_replica=continue)."""
-    return f"{job_prefix()}lost/{rank}"
+    return f"{job_prefix() if prefix is None else prefix}lost/{rank}"
+
+
+def departed(store: Any, prefix: str, world: int) -> int:
+    """How many of a job attempt's `world` workers have ended (at exit, whatever the cause) or were left out by the
+    others (each counted once: a worker left out may still end later)."""
+    return sum(store.check([f"{prefix}left/{rank}"]) or store.check([lost_key(rank, prefix)]) for rank in range(world))
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -195,6 +203,8 @@ class Heartbeat:
         """Stop, telling the peers this rank ended cleanly (so the store going away is no failure)."""
         self.stop()
         try:
+            # Which rank left, too: its launcher's exit barrier counts the ranks gone (`departed`).
+            bounded(lambda: self._store.set(f"{self._key}left/{self.rank}", "1"), 2 * self._interval)
             left = bounded(lambda: self._store.add(self._key + "left", 1), 2 * self._interval)
             if self.size > 1 and _hosts_store(self.rank):
                 # The store goes with this process: until every peer has left too, or for a beat and a half,
