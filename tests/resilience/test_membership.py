@@ -49,3 +49,20 @@ def test_continue_refuses_what_it_cannot_do_yet_in_one_line():
     with pytest.raises(ValueError, match="on_lost_replica=continue works with sync_scope=rank only") as raised:
         OuterSync(params, sync_every=2, scope="node", on_lost_replica="continue")
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_sync_that_fails_over_the_same_members_ends_rather_than_retrying_forever():
+    from trainaccel.resilience.membership import TRIES, Membership
+
+    tries = []
+
+    def failing(group, members):
+        tries.append(members)
+        raise RuntimeError("not a lost member: a fault of the exchange itself")
+
+    membership = Membership(dist.group.WORLD, timeout_s=5.0)
+    with pytest.raises(RuntimeError, match=f"sync s failed {TRIES} times over the same 1 members; on this rank: "):
+        membership.run("s", failing, hang_s=10.0)
+    assert tries == [1] * TRIES
+    assert membership.run("t", lambda group, members: members * 10, hang_s=10.0) == 10  # the next sync goes on

@@ -43,6 +43,7 @@ from trainaccel.resilience.failfast import (
 log = logging.getLogger("trainaccel")
 
 LOST_AFTER_S = 3 * HEARTBEAT_S  # a heartbeat unchanged this long: its process is gone, frozen or cut off
+TRIES = 3  # tries of one sync over the same members before every member gives up alike (not a lost member, then)
 POLL_S = 0.05
 
 
@@ -89,17 +90,23 @@ class Membership:
         until every member's try succeeded alike; `hang_s`: how long a member alive but absent is waited for."""
         # A member alive but absent may be inside a failed exchange until the group's timeout: waited for that long.
         patience = None if hang_s is None else max(hang_s, self.timeout + 2 * HEARTBEAT_S)
-        attempt = 0
+        attempt, tries, error = 0, 0, None
         while True:
             name = f"{sync}.{attempt}"
             decided = self._roll_call(name, patience)
+            tries = tries + 1 if decided == self.members else 1
+            if tries > TRIES:  # the same members failed it every time: a fault no member's loss explains
+                raise RuntimeError(
+                    f"sync {sync} failed {TRIES} times over the same {self.size} members; on this rank: "
+                    f"{error or 'its exchange succeeded, another member failed'}"
+                )
             if decided != self.members or attempt > 0 or self.epoch == 0:
                 self._rebuild(decided, name)  # groups of its own from the first sync: see below
             try:
                 result, ok = exchange(self.group, self.size), True
             except Exception as e:  # a member lost mid-exchange: Gloo's connection closed, or a timeout
                 log.info("sync %s: the exchange failed on rank %d (%s: %s)", name, self.rank, type(e).__name__, e)
-                result, ok = None, False
+                result, ok, error = None, False, f"{type(e).__name__}: {e}"
                 # Dropped, the group closes its connections: members still waiting in the same collective for this
                 # one fail at once, instead of at the group's timeout, and come to the vote.
                 self.group = None
