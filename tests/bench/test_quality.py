@@ -1,6 +1,8 @@
 """`trainaccel bench quality`: its real tasks, its time-to-target arithmetic, and a tiny run of every arm."""
 
 import json
+import re
+import sys
 
 import pytest
 import torch
@@ -155,6 +157,41 @@ def test_bad_arms_are_refused_naming_what_is_accepted():
 def test_bad_flags_stop_before_any_worker_starts(flags, message):
     proc = run([*trainaccel_cmd(), "bench", "quality", *flags])
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "lose, message",
+    [
+        ("lost:2@100", None),
+        ("lost:0@100", "NODE in 1..2 (node 0 holds the store and reports)"),
+        ("lost:3@100", "NODE in 1..2"),
+        ("lost:2@301", "STEP in 1..300"),
+        ("other:2@100", "ARM one of lost, same"),
+        ("lost:2", "accepted: ARM:NODE@STEP"),
+        ("same:2@100", "arm same does not go on without a lost replica"),
+    ],
+)
+def test_lose_names_an_arm_that_goes_on_a_node_other_than_the_first_and_a_step(lose, message):
+    from argparse import Namespace
+
+    from trainaccel.bench.quality import parse_losses
+
+    arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "same": {"sync_every": "4"}}
+    args = Namespace(lose=[lose], steps=300)
+    if message is None:
+        assert parse_losses(args, arms, nodes=3) == {"lost": (2, 100)}
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_losses(args, arms, nodes=3)
+
+
+@pytest.mark.multiprocess
+def test_run_together_lets_a_node_lost_on_purpose_fail_and_keeps_the_others(tmp_path):
+    from trainaccel.launch.local import run_together
+
+    ok, lost = [sys.executable, "-c", "import time; time.sleep(1)"], [sys.executable, "-c", "raise SystemExit(9)"]
+    assert run_together([ok, lost, ok], may_fail=(1,)) == (0, None)
+    assert run_together([ok, lost, ok]) == (9, 1)  # otherwise the first failure stops the rest
 
 
 @pytest.mark.bench_full

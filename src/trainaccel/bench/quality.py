@@ -54,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root)",
     )
+    parser.add_argument(
+        "--lose",
+        action="append",
+        default=[],
+        metavar="ARM:NODE@STEP",
+        help="in arm ARM, node NODE's workers are killed (SIGKILL) before step STEP, e.g. 'continue:2@100' with "
+        "--variant continue:sync_every=auto,on_lost_replica=continue (repeatable; needs --emulate)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results, loss curves included, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the validation loss curves (needs trainaccel[plot])")
     Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
@@ -69,6 +77,29 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"invalid --{flag.replace('_', '-')} {getattr(args, flag)}; accepted: an integer >= 1")
 
 
+def parse_losses(args: argparse.Namespace, arm_options: dict[str, dict[str, str]], nodes: int) -> dict:
+    """--lose ARM:NODE@STEP flags as {arm: (node, step)}, each checked against the arms and the run."""
+    losses = {}
+    for text in args.lose:
+        arm, _, where = text.rpartition(":")
+        node, _, step = where.partition("@")
+        accepted = (
+            f"ARM:NODE@STEP with ARM one of {', '.join(arm_options)}, NODE in 1..{nodes - 1} (node 0 holds the "
+            f"store and reports) and STEP in 1..{args.steps}"
+        )
+        if arm not in arm_options or not node.isdigit() or not step.isdigit():
+            raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
+        if not 1 <= int(node) < nodes or not 1 <= int(step) <= args.steps:
+            raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
+        if arm_options[arm].get("on_lost_replica") != "continue":
+            raise ValueError(
+                f"invalid --lose {text!r}: arm {arm} does not go on without a lost replica; accepted: an arm with "
+                "on_lost_replica=continue (and sync_every) among its options"
+            )
+        losses[arm] = (int(node), int(step))
+    return losses
+
+
 def _run_arm(
     arm: str,
     args: argparse.Namespace,
@@ -77,6 +108,7 @@ def _run_arm(
     cluster: EmulatedCluster | None,
     port: int,
     seed: int,
+    loss: tuple[int, int] | None = None,
 ) -> dict:
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
@@ -93,8 +125,19 @@ def _run_arm(
         f"--seed={seed}",
         f"--out={out}",
     ]
+    if loss is not None:
+        worker += [f"--lose-node={loss[0]}", f"--lose-at={loss[1]}"]
+    lost_node = None if loss is None else loss[0]
     return run_workers(
-        f"arm {arm}", launcher, worker, out, env, nproc_per_node=args.nproc_per_node, cluster=cluster, port=port
+        f"arm {arm}",
+        launcher,
+        worker,
+        out,
+        env,
+        nproc_per_node=args.nproc_per_node,
+        cluster=cluster,
+        port=port,
+        lost_node=lost_node,
     )
 
 
@@ -172,6 +215,9 @@ def main(args: argparse.Namespace) -> int:
         _check(args)
         arms = parse_arms(args.arms, ARMS)
         arm_options, config, options, emulation = arm_settings(args, arms)
+        if args.lose and emulation is None:
+            raise ValueError("--lose needs --emulate: a node to lose")
+        losses = parse_losses(args, arm_options, emulation.nodes if emulation is not None else 0)
         task = TASKS[args.task]
         task.load()  # its data is there (or the error says what to install) before any worker starts
     except (ValueError, ConfigError, RuntimeError) as e:
@@ -186,7 +232,14 @@ def main(args: argparse.Namespace) -> int:
         # Each repeat its own seed (initial model and batches), the same for every arm in it: a
         # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
         lambda arm, out, cluster, port, repeat: _run_arm(
-            arm if arm in ARMS else "trainaccel", args, arm_options[arm], out, cluster, port, seed=repeat
+            arm if arm in ARMS else "trainaccel",
+            args,
+            arm_options[arm],
+            out,
+            cluster,
+            port,
+            seed=repeat,
+            loss=losses.get(arm),
         ),
         lambda result: (
             f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "

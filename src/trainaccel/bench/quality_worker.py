@@ -4,12 +4,18 @@ Arms: baseline (plain DDP under torchrun), torch-bf16 and torch-fp16 (DDP with t
 `bf16_compress_hook` / `fp16_compress_hook`), trainaccel (the same script under `trainaccel run`),
 local (no gradient exchange: the compute-only ceiling; its replicas drift apart, so its quality
 is rank 0's alone). The clock runs during training steps only, not during validation.
+
+With `--lose-node N --lose-at S` the workers of node N kill themselves (SIGKILL) before step S. Under
+on_lost_replica=continue the clock is rank 0's own: the slowest worker's time would need a collective over the
+default group, which a lost worker would end.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 
 import argparse
 import json
+import os
+import signal
 import time
 
 import torch
@@ -27,6 +33,7 @@ from trainaccel.bench.worker import (
     start_process_group,
 )
 from trainaccel.comm import bytes_sent, sync_replicas
+from trainaccel.context import current_config
 
 
 def main() -> None:
@@ -38,6 +45,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--lose-node", type=int, help="this node's workers kill themselves at --lose-at")
+    parser.add_argument("--lose-at", type=int, help="the step before which they do")
     args = parser.parse_args()
 
     device = start_process_group()
@@ -56,10 +65,14 @@ def main() -> None:
 
     curve = []  # (step, seconds of training so far, validation loss, validation accuracy)
     elapsed, started = 0.0, 0.0
+    config = current_config()
+    own_clock = config is not None and config.on_lost_replica == "continue"
+    lost_here = args.lose_node is not None and int(os.environ.get("GROUP_RANK", "0")) == args.lose_node
 
     def start_clock() -> None:
         nonlocal started
-        dist.barrier()  # every worker starts together: the clock measures the job
+        if not own_clock:
+            dist.barrier()  # every worker starts together: the clock measures the job
         started = time.perf_counter()
 
     def stop_clock_and_validate(step: int) -> None:
@@ -68,7 +81,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         took = torch.tensor(time.perf_counter() - started, device=device)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
+        if not own_clock:
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
         elapsed += float(took)
         loss, accuracy = task.evaluate(model.module, validation)
         curve.append([step, elapsed, loss, accuracy])
@@ -77,6 +91,8 @@ def main() -> None:
     curve.append([0, 0.0, *task.evaluate(model.module, validation)])
     start_clock()
     for step in range(1, args.steps + 1):
+        if lost_here and step == args.lose_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # a node lost: its worker gone without a word
         x, y = (t.to(device) for t in draw())
         loss = task.loss(model(x), y)
         optimizer.zero_grad(set_to_none=True)

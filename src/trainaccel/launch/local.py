@@ -32,12 +32,16 @@ def run_job(name: str, command: list[str], out: Path, env: dict[str, str] | None
 
 
 def run_together(
-    commands: list[list[str]], envs: list[dict[str, str] | None] | None = None, logs: list[Path] | None = None
+    commands: list[list[str]],
+    envs: list[dict[str, str] | None] | None = None,
+    logs: list[Path] | None = None,
+    may_fail: tuple[int, ...] = (),
 ) -> tuple[int, int | None]:
     """Run commands side by side; the first failure stops the rest (as does Ctrl-C, re-raised).
 
     Returns (exit code, index of the failed command or None). Each command gets its own
-    process group, so stopping it stops everything it started.
+    process group, so stopping it stops everything it started. The commands at `may_fail` may end in failure
+    (a node lost on purpose): the others run on, and the result is theirs.
     """
     envs = envs or [None] * len(commands)
     files = [open(path, "w") for path in logs] if logs else [None] * len(commands)
@@ -51,11 +55,11 @@ def run_together(
             )
         while True:
             codes = [p.poll() for p in procs]
-            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0) and i not in may_fail]
             if failed:
                 stop(procs)
                 return codes[failed[0]], failed[0]  # type: ignore[return-value]
-            if all(code == 0 for code in codes):
+            if all(code == 0 or (code is not None and i in may_fail) for i, code in enumerate(codes)):
                 return 0, None
             time.sleep(0.1)
     except BaseException:
