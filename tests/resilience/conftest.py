@@ -9,7 +9,7 @@ FULL = "resilience_full"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Each case starts 3 emulated nodes: CI keeps a loss between syncs, one mid-sync and the zero-code form.
+    # Each case starts 3 emulated nodes: CI keeps a loss between syncs and the zero-code form.
     if FULL in (config.getoption("markexpr") or "") or os.environ.get("TRAINACCEL_RESILIENCE_FULL") == "1":
         return
     kept = [item for item in items if item.get_closest_marker(FULL) is None]

@@ -20,7 +20,7 @@ from trainaccel.resilience.failfast import departed, job_prefix, root_store
 
 log = logging.getLogger("trainaccel")
 
-POLL_S = 0.5
+POLL_S = 0.05  # torch's own barrier waits on the key: as soon after it as that
 
 
 @contextlib.contextmanager
