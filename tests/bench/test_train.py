@@ -122,6 +122,7 @@ def test_bench_train_rejects_bad_arguments(capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.bench_full  # a full smoke run of `bench train --model deepfm` (25 s); the model's own tests are in CI
 @pytest.mark.multiprocess
 def test_bench_train_deepfm_runs_both_arms(tmp_path):
     out = tmp_path / "deepfm.json"
