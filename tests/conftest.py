@@ -18,13 +18,18 @@ import trainaccel
 BENCH_FULL = "bench_full"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if BENCH_FULL in (config.getoption("markexpr") or "") or os.environ.get("TRAINACCEL_BENCH_FULL") == "1":
+def deselect_unless_asked(config: pytest.Config, items: list[pytest.Item], marker: str, env: str) -> None:
+    """Deselect the tests marked `marker` unless asked for: `-m` names the marker, or `env`=1."""
+    if marker in (config.getoption("markexpr") or "") or os.environ.get(env) == "1":
         return
-    dropped = [item for item in items if item.get_closest_marker(BENCH_FULL) is not None]
+    dropped = [item for item in items if item.get_closest_marker(marker) is not None]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item.get_closest_marker(BENCH_FULL) is None]
+        items[:] = [item for item in items if item.get_closest_marker(marker) is None]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    deselect_unless_asked(config, items, BENCH_FULL, "TRAINACCEL_BENCH_FULL")
 
 
 # Inductor compiles in this process (older torch releases fork a pool of compile workers for it, which the

@@ -55,11 +55,7 @@ def test_an_aborted_worker_is_published_by_its_launcher_and_every_node_ends(tmp_
         took = time.monotonic() - aborted
         survivors = tree.alive()
     finally:
-        for pid, _ in tree.alive():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        tree.kill()
         for p in procs:
             p.wait(timeout=30)
     outputs = [log.read_text() for log in logs]

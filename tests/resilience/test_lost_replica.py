@@ -3,7 +3,6 @@ train on to the end over the replicas present (scripts/lost_replica.py), and end
 
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -48,11 +47,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
         codes = [proc.poll() for proc in procs]
     finally:
         tree.scan()
-        for pid, _ in tree.alive():  # a frozen replica waits for its launcher's watchdog: ended here (SIGKILL
-            try:  # ends a stopped process too)
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        tree.kill()  # a frozen replica waits for its launcher's watchdog: ended here
         for proc in procs:
             proc.wait(timeout=30)
     outputs = [log.read_text() for log in logs]

@@ -92,6 +92,16 @@ class ProcessTree:
                 out.append((pid, node))
         return out
 
+    def kill(self) -> list[tuple[int, int]]:
+        """SIGKILL every remembered process still running (a stopped one too); returns (pid, node) of each."""
+        left = self.alive()
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
 
 def run_fault(
     fault: str,
@@ -164,13 +174,7 @@ def run_fault(
                     break
                 time.sleep(0.2)
         finally:
-            left = tree.alive()
-            survivors = len(left)
-            for pid, _ in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            survivors = len(tree.kill())
             for p in procs:
                 p.wait(timeout=30)
             for reader in readers:

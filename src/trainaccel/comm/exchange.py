@@ -61,7 +61,7 @@ class Pending:
         check: bool | None = None,
     ):
         self.codec, self.feedback, self.key, self.group, self.scale = codec, feedback, key, group, scale
-        self.check = codec.lossy and (check if check is not None else needs_check(codec))
+        self.check = needs_check(codec, check)
         self.tensor, self.out = tensor, out
         self.trace = timeline.current()
         began = time.perf_counter() if self.trace is not None else 0.0
@@ -154,9 +154,10 @@ def say_fallback(name: str, where: str, fallback: str, step: int | None = None) 
         )
 
 
-def needs_check(codec: Codec) -> bool:
-    """Whether a sum through `codec` must be read on the host to choose an exact retry (see `keeps_finiteness`)."""
-    return codec.lossy and not getattr(codec, "keeps_finiteness", False)
+def needs_check(codec: Codec, check: bool | None = None) -> bool:
+    """Whether a sum through `codec` is read on the host to choose an exact retry: for a lossy codec, always when
+    `check` is True, where the codec needs it when None (see `keeps_finiteness`)."""
+    return codec.lossy and (check if check is not None else not getattr(codec, "keeps_finiteness", False))
 
 
 def finite(codec: Codec, parts: list[torch.Tensor]) -> bool:

@@ -90,7 +90,7 @@ class HierarchicalReduce:
         # inside the node and keeps this worker's shard. A codec in the node whose sum is read for finiteness does so
         # too: every worker of the node must see the whole sum to decide alike whether it is finite.
         self._scatter_by_allreduce = (
-            self._checks(self.intra_codec) or backend_of(self.topology.intra_group, buffer.device) == "gloo"
+            needs_check(self.intra_codec, self.check) or backend_of(self.topology.intra_group, buffer.device) == "gloo"
         )
         fallbacks: list[tuple[str, str]] = []
         stages: list[collections.deque] = [collections.deque(), collections.deque(), collections.deque()]
@@ -114,9 +114,6 @@ class HierarchicalReduce:
         advance(0)
         return buffer, fallbacks
 
-    def _checks(self, codec: Codec) -> bool:
-        return codec.lossy and (self.check if self.check is not None else needs_check(codec))
-
     def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, int]:
         """`part` padded with zeros to a multiple of the node's workers, and the size of each one's shard."""
         local_size, n = self.topology.local_size, part.numel()
@@ -139,7 +136,7 @@ class HierarchicalReduce:
             work = reduce_scatter_single(shard_payload, payload, group=group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
-            if self._checks(self.intra_codec) and not bool(payload.isfinite().all()):
+            if needs_check(self.intra_codec, self.check) and not bool(payload.isfinite().all()):
                 # The whole node sees this sum: every worker of it retries exactly, alike.
                 note_overflow(self.intra_codec, key)
                 if self.intra_feedback is not None:
@@ -195,7 +192,7 @@ class HierarchicalReduce:
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
             fallback = None
-            if self._checks(self.intra_codec) and not bool(gathered.isfinite().all()):
+            if needs_check(self.intra_codec, self.check) and not bool(gathered.isfinite().all()):
                 note_overflow(self.intra_codec, key)
                 exact = shard.new_empty(shard.numel() * local_size)
                 all_gather_single(exact, shard.contiguous(), group=group)

@@ -263,6 +263,20 @@ def hang_deadline(hang_timeout: float | str, step_s: list[float | None]) -> floa
     return float(hang_timeout) or None
 
 
+class LastChange:
+    """When this process last saw each rank's value change, by its own monotonic clock (peers' clocks may differ)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Any, float]] = {}  # rank -> (its value, when it was first seen so)
+
+    def update(self, rank: int, value: Any, now: float) -> float:
+        """Record `rank`'s value at `now`; returns when it last changed (`now` if it just did, or is new)."""
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != value:
+            self._seen[rank] = seen = (value, now)
+        return seen[1]
+
+
 class Verdict:
     """A hung rank named by a judge: which, and one line saying why."""
 
@@ -282,17 +296,14 @@ class HangJudge:
 
     def __init__(self, hang_timeout: float | str):
         self.hang_timeout = hang_timeout
-        self._beats: dict[int, tuple[float, float]] = {}  # rank -> (its beat's time, when the judge saw it change)
-        self._busy: dict[int, tuple[int, float]] = {}  # rank -> (its forwards, when the judge saw them change)
+        self._beats = LastChange()  # each rank's heartbeat (its time)
+        self._busy = LastChange()  # each rank's count of forwards
         self._slowest: tuple[int, float] | None = None  # (slowest step, when the judge saw it change)
         self._warned: set[tuple[int, int, str]] = set()
 
     def observe(self, beats: dict[int, dict], now: float, world: int | None = None) -> Verdict | None:
-        for rank, beat in beats.items():
-            if self._beats.get(rank, (None,))[0] != beat["time"]:
-                self._beats[rank] = (beat["time"], now)
-            if self._busy.get(rank, (None,))[0] != beat.get("forwards"):
-                self._busy[rank] = (beat.get("forwards"), now)
+        beat_at = {rank: self._beats.update(rank, beat["time"], now) for rank, beat in beats.items()}
+        busy_at = {rank: self._busy.update(rank, beat.get("forwards"), now) for rank, beat in beats.items()}
         world = len(beats) if world is None else world
         if len(beats) < world or min(b["step"] for b in beats.values()) < 1:
             return None  # not every rank trains yet: collective_timeout alone applies
@@ -308,13 +319,13 @@ class HangJudge:
         ahead = next(rank for rank, step in sorted(steps.items()) if step == high)
         candidates = []
         for rank in sorted(beats):
-            silent = now - self._beats[rank][1]
+            silent = now - beat_at[rank]
             if silent > deadline / 2:
                 why = f"no heartbeat for {silent:.0f} s: its process is gone, stopped, stuck outside Python, or cut off"
                 candidates.append((rank, silent, "frozen", why))
             elif steps[rank] == low < high:
                 # A rank evaluating alone runs forwards: busy, not hung (collective_timeout still bounds the wait).
-                stuck = now - max(self._slowest[1], self._busy[rank][1])
+                stuck = now - max(self._slowest[1], busy_at[rank])
                 if stuck > deadline / 2:
                     why = f"alive but at step {low} for {stuck:.0f} s while rank {ahead} waits at step {high}"
                     candidates.append((rank, stuck, "behind", why))

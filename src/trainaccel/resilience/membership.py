@@ -33,6 +33,7 @@ from torch.distributed import distributed_c10d
 
 from trainaccel.resilience.failfast import (
     HEARTBEAT_S,
+    LastChange,
     describe_failure,
     job_prefix,
     lost_key,
@@ -62,7 +63,7 @@ class Membership:
         "timeout": "how long a collective of a rebuilt group waits (the job's collective_timeout)",
         "_store": "this object's own connection to the job's store",
         "_key": "the prefix of the membership's keys in the store",
-        "_beats": "rank -> (its last heartbeat, when this process saw it change)",
+        "_beats": "when this process last saw each rank's heartbeat change",
         "_world": "the job's size: heartbeats are read for every rank",
         "_done": "the names of the last committed sync's tries: their keys go at the next commit (all are past them)",
     }
@@ -77,7 +78,7 @@ class Membership:
         self.epoch, self.group, self.rank, self.timeout = 0, group, dist.get_rank(), timeout_s
         self._store = root_store(distributed_c10d._get_default_store()).clone()
         self._key = f"{job_prefix()}members/"
-        self._beats: dict[int, tuple[Any, float]] = {}
+        self._beats = LastChange()
         self._world = dist.get_world_size()
         self._done: list[str] = []
 
@@ -185,11 +186,9 @@ class Membership:
                 why = describe_failure(failure)
         if why is None and beat is not None:  # (a rank that never beat is judged by the deadline alone)
             now = time.monotonic()
-            seen = self._beats.get(rank)
-            if seen is None or seen[0] != beat:
-                self._beats[rank] = (beat, now)
-            elif now - seen[1] >= LOST_AFTER_S:
-                why = f"no heartbeat for {now - seen[1]:.0f} s: its process is gone, frozen or cut off"
+            silent = now - self._beats.update(rank, beat["time"], now)
+            if silent >= LOST_AFTER_S:
+                why = f"no heartbeat for {silent:.0f} s: its process is gone, frozen or cut off"
         if why is None and hang_s is not None and waited_s >= hang_s:
             why = f"alive, but it did not reach the sync within {hang_s:.0f} s"
         if why is None:
