@@ -30,6 +30,8 @@ OPTIONS = {
     "topk": {"compression": "topk", "compression_warmup": 2},
     "sync_every": {"sync_every": 4, "sync_scope": "rank"},
     "sync_every_node": {"sync_every": 4, "sync_scope": "node"},
+    # The syncs over the members present (resilience/membership.py), applied under each client; nobody is lost here.
+    "sync_every_continue": {"sync_every": 4, "sync_scope": "rank", "on_lost_replica": "continue"},
     "amp_bf16": {"amp": "bf16"},
     "shard_full": {"shard": "full"},
 }
@@ -175,4 +177,5 @@ def test_cell(client, option, how, tmp_path):
 
 def test_the_ci_subset_covers_every_client_and_option():
     assert {client for client, _, _ in CI} == set(CLIENTS)
-    assert {option for _, option, _ in CI} | {"sync_every_node"} == set(OPTIONS)
+    # Outside CI's subset: node scope (4 workers), and the lost-replica mode (tests/resilience runs its losses).
+    assert {option for _, option, _ in CI} | {"sync_every_node", "sync_every_continue"} == set(OPTIONS)
