@@ -37,6 +37,10 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
 
         # Whoever starts the group: each worker on its own GPU, as NCCL and object collectives need.
         select_local_device()
+    if config.on_lost_replica == "continue" and is_distributed():
+        from trainaccel.resilience.rejoin import prepare_rejoin
+
+        prepare_rejoin()  # before any default group starts: a rank started again gets a stand-in one
     if start_process_group:
         _start_process_group(mapped)
 

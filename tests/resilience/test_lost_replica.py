@@ -19,30 +19,38 @@ DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership 
 
 def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]:
     """The job, until both survivors' launchers ended (or DEADLINE_S); every process of every node is ended after.
-    Returns the survivors' results, each node's output and each node's `trainaccel run` exit code (None: alive)."""
+    Returns the survivors' results, each node's output and each node's `trainaccel run` exit code (None: alive).
+    `rejoin`: node 2 is started again once its first `trainaccel run` ended; then its result is returned too, and its
+    second start's output and exit code stand for the node."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
     procs = []
-    for node, log in enumerate(logs):
+
+    def start(node: int, log) -> subprocess.Popen:
         with open(log, "w") as out:
             command = [
                 *trainaccel_cmd(),
                 *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
                 *["--master-addr", "127.0.0.1", "--master-port", str(port)],
-                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how == "zero_code" else []),
+                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how in ("zero_code", "rejoin") else []),
                 *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
-            procs.append(
-                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
-            )
-    results = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
+
+    procs = [start(node, log) for node, log in enumerate(logs)]
+    waited = procs[:2] if how != "rejoin" else procs
+    results = [tmp_path / f"rank{r}.json" for r in ((0, 1) if how != "rejoin" else (0, 1, 2))]
     tree = ProcessTree([proc.pid for proc in procs])  # the workers too, even orphaned
     began = time.monotonic()
     try:
         # The survivors' launchers end on their own: their exit barrier does not wait for the lost node's agent.
-        while any(proc.poll() is None for proc in procs[:2]) and time.monotonic() - began < DEADLINE_S:
+        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
+            if how == "rejoin" and procs[2].poll() is not None and len(logs) == NODES:
+                logs.append(tmp_path / "node2-again.log")  # its first start ended (rank 2 was killed): again
+                procs[2] = start(2, logs[-1])
+                tree.roots.append(procs[2].pid)
             time.sleep(0.5)
         codes = [proc.poll() for proc in procs]
     finally:
@@ -52,6 +60,8 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
             proc.wait(timeout=30)
     outputs = [log.read_text() for log in logs]
     assert all(r.exists() for r in results), "\n".join(o[-3000:] for o in outputs)
+    if how == "rejoin":
+        outputs = [*outputs[:2], outputs[2] + outputs[3]]
     return [json.loads(r.read_text()) for r in results], outputs, codes
 
 
@@ -84,3 +94,18 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
     assert "ending rank 0" not in said and "ending rank 1" not in said
+
+
+def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path):
+    (first, second, third), outputs, codes = launch(tmp_path, "rejoin")
+    assert codes == [0, 0, 0], (codes, outputs[2][-3000:])
+    assert first["members"] == second["members"] == third["members"] == [0, 1, 2]
+    assert first["rejoined_at"] == second["rejoined_at"] == 0
+    assert third["rejoined_at"] == 40  # the round's end after it came (the others waited for it at step 40)
+    assert first["params"] == second["params"] == third["params"]  # the last sync's mean, the same bits on all
+    assert first["syncs"] == second["syncs"] == 12  # every sync of the 48 steps, none skipped
+    assert third["syncs"] == 12  # the outer state it took counts the syncs before it came
+    said = outputs[0] + outputs[1]
+    assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
+    assert "join@40: rank(s) 2 rejoin the 2 replicas" in said, said[-3000:]
+    assert "this process rejoins it" in outputs[2], outputs[2][-3000:]

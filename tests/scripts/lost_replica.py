@@ -4,7 +4,9 @@ train on; each survivor writes OUT_DIR/rank{r}.json (members, syncs, its paramet
 How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an exception: its launcher ends it),
 `freeze` (SIGSTOP: alive but frozen, its heartbeat stopped too), `mid_sync` (SIGKILL after the third sync's exchange,
 before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
-(SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`).
+(SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `rejoin` (SIGKILL,
+then the test starts node 2 again: that start rejoins, takes the model at the next sync and trains to the end; the
+others wait at step 40 until it has asked to join, so that they are still training when it comes).
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -12,18 +14,20 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainaccel.comm import DiLoCo, sync_replicas
+from trainaccel.comm import DiLoCo, rejoined_at, sync_replicas
 from trainaccel.observer import observer_of
-from trainaccel.resilience import membership
+from trainaccel.resilience import failfast, membership
 
-STEPS, EVERY, LOSE_AT = 24, 4, 9
 out_dir, how = sys.argv[1], sys.argv[2]
+STEPS, EVERY, LOSE_AT = (48 if how == "rejoin" else 24), 4, 9
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -47,8 +51,13 @@ else:
     diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
 losses = []
-for step in range(1, STEPS + 1):
-    if rank == 2 and step == LOSE_AT and how in ("kill", "auto", "zero_code"):
+start = rejoined_at(model)  # 0, or for node 2's second start the step it rejoined at
+for step in range(start + 1, STEPS + 1):
+    if how == "rejoin" and rank != 2 and step == 40:
+        store, waited = failfast.root_store(distributed_c10d._get_default_store()), time.monotonic()
+        while not store.check([f"{failfast.job_prefix()}members/join/2"]) and time.monotonic() - waited < 60:
+            time.sleep(0.1)
+    if rank == 2 and step == LOSE_AT and how in ("kill", "auto", "zero_code", "rejoin"):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2 and step == LOSE_AT and how == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -65,4 +74,5 @@ params = torch.cat([p.detach().flatten() for p in model.parameters()])
 if how == "zero_code":
     diloco = observer_of(model).diloco
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump({"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}, f)
+    result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
+    json.dump({**result, "rejoined_at": start}, f)

@@ -496,6 +496,15 @@ def sync_replicas(model: torch.nn.Module) -> None:
             diloco.sync()
 
 
+def rejoined_at(model: torch.nn.Module) -> int:
+    """The inner step at which this replica rejoined a running job (on_lost_replica=continue, its rank started
+    again): a script that can rejoin starts its loop after it, as one resuming from a checkpoint would. 0 otherwise."""
+    for diloco in list(_live.values()):
+        if diloco._module is not None and diloco._module in (model, getattr(model, "module", model)):
+            return diloco.outer.rejoined_at
+    return 0
+
+
 def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
     """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo; a module wrapped
     again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper."""

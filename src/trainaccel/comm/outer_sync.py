@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import logging
 import math
 import time
@@ -108,6 +109,8 @@ class OuterSync:
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
         "_hang_timeout": "the job's hang_timeout: how long the syncs wait for a member alive but absent",
         "_membership": "on_lost_replica=continue: the replicas taking part in the syncs (None: the whole group)",
+        "_admit_at": "on_lost_replica=continue: `steps` after which replicas started again may join (a round applied)",
+        "rejoined_at": "`steps` when this replica rejoined the running job (its rank started again); 0: it did not",
         "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
     }
 
@@ -172,6 +175,7 @@ class OuterSync:
         self.use_scope(scope, config.hierarchical)
         self._hang_timeout = config.hang_timeout
         self._membership: Membership | None = None
+        self.rejoined_at = 0
         if config.on_lost_replica == "continue":
             self._survive_lost_replicas(config)
         # The payloads are gathered across nodes only when the change goes in two levels.
@@ -198,6 +202,46 @@ class OuterSync:
             self._hierarchy = None
         self._membership = Membership(self._engine_group, config.collective_timeout)
         failfast.survive_lost_peers()
+        self._admit_at = -1
+        if failfast.incarnation() > 0:
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        """This rank was started again to rejoin the running job: at the members' next round's end, a live
+        replica's synced model, anchors, outer optimizers and schedule (its residuals stay its own)."""
+        if self.warmup:
+            raise ValueError(
+                f"a replica cannot rejoin a job under sync_warmup={self.warmup}: the warm-up's exchange would run "
+                "over the stand-in default group; use sync_warmup=0 with on_lost_replica=continue to rejoin"
+            )
+        failfast.start_heartbeat()  # beating before it asks: the members judge it by its heartbeat
+        state = torch.load(io.BytesIO(self._membership.join(self._hang_s())), map_location="cpu", weights_only=True)
+        self.load_state_dict(state["outer"], local=False)
+        with torch.no_grad():
+            for fragment in self._fragments:
+                for param, anchor in zip(fragment.params, fragment.anchors):
+                    param.copy_(anchor)
+            for buffer, value in zip(self._fragments[-1].buffers, state["buffers"]):
+                buffer.copy_(value)
+        self._synced_buffers = [b.to(self.params[0].device) for b in state["buffers"]]
+        self.synced_at, self.live_is_synced, self.rejoined_at = self.steps, True, self.steps
+        info_once(f"rejoined the running job at inner step {self.steps} with {len(self.members)} replicas")
+
+    def _join_state(self) -> bytes:
+        """What a replica rejoining takes from this one (`_rejoin`): the outer state, the synced buffers."""
+        state = {"outer": {**self.state_dict(), "residuals": {}}, "buffers": self._synced_buffers}
+        out = io.BytesIO()
+        torch.save(state, out)
+        return out.getvalue()
+
+    def _admit(self) -> None:
+        """Members at a round's end with nothing in flight: replicas waiting to rejoin become members (the state
+        sent on the communication thread, after the syncs already queued there)."""
+        self._admit_at = -1
+        joiners = self._membership.joiners_at(f"join@{self.steps}")
+        if joiners:
+            admit = functools.partial(self._membership.admit, f"join@{self.steps}", joiners, self._join_state)
+            comm_thread().submit(functools.partial(admit, self._hang_s())).wait()
 
     @property
     def members(self) -> list[int]:
@@ -242,6 +286,8 @@ class OuterSync:
         and the anchors (a collective: every rank calls it at the same step)."""
         if not self.started and self.steps >= self.warmup:
             self._start()
+        elif self._membership is not None and self._admit_at == self.steps:
+            self._admit()
 
     def step(self) -> None:
         """An inner step ended: count it and apply or start the syncs now due."""
@@ -254,6 +300,10 @@ class OuterSync:
             recent.append(now - last)
             del recent[:-AUTO_WINDOW]
         if self.started:
+            last = self._fragments[-1]  # its sync applied now and none in flight: a join may follow
+            round_applied = (last.pending is not None and last.pending[0] <= self.steps) or (
+                last.next_sync == self.steps and not self.overlap
+            )
             for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
                 if fragment.pending is not None and fragment.pending[0] <= self.steps:
                     self._finish(fragment, outer=True)
@@ -262,6 +312,8 @@ class OuterSync:
                     self._begin(fragment, outer=True)
             if self._fragments[-1].next_sync == self.steps:  # the round's last fragment: the next round
                 self._end_round()
+            if self._membership is not None and round_applied and all(f.pending is None for f in self._fragments):
+                self._admit_at = self.steps  # at the next inner step's start, on every member alike
             took = time.perf_counter() - now
             self._timing[2] += took
             now += took  # the next step's time leaves the syncs out

@@ -284,6 +284,7 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
         node=beat.get("node"),
         local_rank=local_rank,
     )
+    failure["incarnation"] = beat.get("incarnation", 0)  # a rank started again to rejoin: which start died
     try:
         timeout = timedelta(seconds=STORE_CONNECT_S)
         # Bounded twice: a store cut off without a reset never answers, and TCPStore retries refused connections.

@@ -47,6 +47,7 @@ _heartbeat: Heartbeat | None = None
 _reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> what to write
 _published = False  # this process published the job's failure
 _survivors = False  # on_lost_replica=continue: a peer's failure, death or hang drops it at the next sync instead
+_incarnation = 0  # on_lost_replica=continue: how many times this rank was started again to rejoin (0: the first)
 
 
 def job_prefix(attempt: int | None = None) -> str:
@@ -57,15 +58,54 @@ def job_prefix(attempt: int | None = None) -> str:
     return f"trainaccel/{attempt}/"
 
 
-def lost_key(rank: int, prefix: str | None = None) -> str:
-    """The store key saying why the other replicas went on without `rank` (on_lost_replica=continue)."""
-    return f"{job_prefix() if prefix is None else prefix}lost/{rank}"
+def lost_key(rank: int, prefix: str | None = None, incarnation: int = 0) -> str:
+    """The store key saying why the other replicas went on without `rank`'s `incarnation` (on_lost_replica=continue);
+    each incarnation of a rank started again to rejoin has its own."""
+    return f"{job_prefix() if prefix is None else prefix}lost/{rank}{f'.{incarnation}' if incarnation else ''}"
+
+
+def left_key(rank: int, prefix: str | None = None, incarnation: int = 0) -> str:
+    """The store key a worker (`rank`'s `incarnation`) writes when it ends, whatever the cause."""
+    return f"{job_prefix() if prefix is None else prefix}left/{rank}{f'.{incarnation}' if incarnation else ''}"
+
+
+def incarnation_key(rank: int, prefix: str | None = None) -> str:
+    """The store counter of `rank`'s incarnations started again to rejoin (absent: none)."""
+    return f"{job_prefix() if prefix is None else prefix}incarnations/{rank}"
+
+
+def latest_incarnation(store: Any, rank: int, prefix: str | None = None) -> int:
+    key = incarnation_key(rank, prefix)
+    return int(store.get(key)) if store.check([key]) else 0
 
 
 def departed(store: Any, prefix: str, world: int) -> int:
     """How many of a job attempt's `world` workers have ended (at exit, whatever the cause) or were left out by the
-    others (each counted once: a worker left out may still end later)."""
-    return sum(store.check([f"{prefix}left/{rank}"]) or store.check([lost_key(rank, prefix)]) for rank in range(world))
+    others (each counted once: a worker left out may still end later); of a rank started again, its latest start."""
+    return len(departed_ranks(store, prefix, world))
+
+
+def departed_ranks(store: Any, prefix: str, world: int) -> list[int]:
+    """The ranks `departed` counts."""
+    gone = []
+    for rank in range(world):
+        latest = latest_incarnation(store, rank, prefix)
+        if store.check([left_key(rank, prefix, latest)]) or store.check([lost_key(rank, prefix, latest)]):
+            gone.append(rank)
+    return gone
+
+
+def incarnation() -> int:
+    """This process's incarnation of its rank: 0, or how many times the rank was started again to rejoin."""
+    return _incarnation
+
+
+def become_incarnation(number: int) -> None:
+    """This process rejoins a running job as its rank's incarnation `number` (until shutdown)."""
+    global _incarnation
+    if context.first_time("incarnation"):
+        context.on_undo("incarnation", functools.partial(globals().__setitem__, "_incarnation", 0))
+    _incarnation = number
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -114,6 +154,7 @@ class Heartbeat:
         self._judge = HangJudge(config.hang_timeout) if self.rank in (0, self.size - 1) and self.size > 1 else None
         self._local_file = _local_heartbeat_file()
         self._local = {"rank": self.rank, "world": self.size, **self._place, "key": self._key}
+        self._local["incarnation"] = _incarnation
         self._local.update(store=store_address(self._store), nccl=_reduces_cuda_with_nccl())
         self._beat()
         self._write_local()
@@ -133,8 +174,9 @@ class Heartbeat:
             **extra,
         }
         self._store.set(f"{self._key}heartbeat/{self.rank}", json.dumps(beat))
-        if _survivors and self._store.check([lost_key(self.rank)]):
-            why = self._store.get(lost_key(self.rank)).decode()
+        mine = lost_key(self.rank, incarnation=_incarnation)
+        if _survivors and self._store.check([mine]):
+            why = self._store.get(mine).decode()
             end_process(f"ending rank {self.rank}: the other replicas went on without it: {why}")
         if not _survivors and self._store.check([self._key + "failure"]):
             failure = json.loads(self._store.get(self._key + "failure"))
@@ -204,7 +246,8 @@ class Heartbeat:
         self.stop()
         try:
             # Which rank left, too: its launcher's exit barrier counts the ranks gone (`departed`).
-            bounded(lambda: self._store.set(f"{self._key}left/{self.rank}", "1"), 2 * self._interval)
+            mine = left_key(self.rank, self._key, _incarnation)
+            bounded(lambda: self._store.set(mine, "1"), 2 * self._interval)
             left = bounded(lambda: self._store.add(self._key + "left", 1), 2 * self._interval)
             if self.size > 1 and _hosts_store(self.rank):
                 # The store goes with this process: until every peer has left too, or for a beat and a half,
@@ -369,6 +412,7 @@ def publish_failure(reason: Verdict | BaseException | str, store: Any = None) ->
     else:
         host, local_rank = worker_place()
         failure = failure_record(me, text, host=host, node=os.environ.get("GROUP_RANK"), local_rank=local_rank)
+        failure["incarnation"] = _incarnation
     try:
         publish_record(store, failure, job_prefix())
     except Exception as e:  # the store is gone too: the peers find out from it

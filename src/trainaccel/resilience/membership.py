@@ -14,14 +14,19 @@ member decides alike:
    the outcome. Commit: every member applies the result. Retry: the sync runs again from the roll call, from the
    same inputs, so that a sync some members finished and others did not is never applied by half of them.
 
-A member the others dropped learns it from the store and ends with one line (it does not rejoin yet). The store
-itself lives with the job's first node (torchrun's agent store): if that node is lost, every worker ends, as its
-heartbeat says.
+A member the others dropped learns it from the store and ends with one line. Its rank may come back: a process
+started again with that rank (its node's `trainaccel run` started anew, `resilience.rejoin`) is the rank's next
+incarnation. It asks to join; at the next round's end the members decide (in the store, alike) who joins, and the
+join itself runs as a sync does: roll call with the joiners, a live member's state sent to them over a group built
+for it, vote. Joins happen only there (a shrink-only membership between them), so every member meets the joiner at
+the same step. The store itself lives with the job's first node (torchrun's agent store): if that node is lost,
+every worker ends, as its heartbeat says.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import time
@@ -34,8 +39,11 @@ from torch.distributed import distributed_c10d
 from trainaccel.resilience.failfast import (
     HEARTBEAT_S,
     LastChange,
+    departed_ranks,
     describe_failure,
+    incarnation,
     job_prefix,
+    latest_incarnation,
     lost_key,
     read_heartbeats,
     root_store,
@@ -57,8 +65,10 @@ class Membership:
 
     __slots__ = {
         "members": "the global ranks taking part, sorted: all of the job's at first",
+        "incarnations": "each member's incarnation: 0, or which start of its rank it is (started again to rejoin)",
         "epoch": "how many times the members' group was rebuilt (a new group per change, and after a failed try)",
-        "group": "the process group of the current members (the engine's own at first)",
+        "group": "the process group of the current members (the engine's own at first; None: none usable)",
+        "_group_members": "the global ranks of `group`",
         "rank": "this process's global rank",
         "timeout": "how long a collective of a rebuilt group waits (the job's collective_timeout)",
         "_store": "this object's own connection to the job's store",
@@ -75,7 +85,10 @@ class Membership:
                 "on_lost_replica=continue needs the syncs to span the whole job (its default group); this group has "
                 f"{len(self.members)} of {dist.get_world_size()} ranks"
             )
+        self.incarnations = dict.fromkeys(self.members, 0)
+        self.incarnations[dist.get_rank()] = incarnation()
         self.epoch, self.group, self.rank, self.timeout = 0, group, dist.get_rank(), timeout_s
+        self._group_members = list(self.members)
         self._store = root_store(distributed_c10d._get_default_store()).clone()
         self._key = f"{job_prefix()}members/"
         self._beats = LastChange()
@@ -101,7 +114,7 @@ class Membership:
                     f"sync {sync} failed {TRIES} times over the same {self.size} members; on this rank: "
                     f"{error or 'its exchange succeeded, another member failed'}"
                 )
-            if decided != self.members or attempt > 0 or self.epoch == 0:
+            if self.group is None or decided != self._group_members or attempt > 0 or self.epoch == 0:
                 self._rebuild(decided, name)  # groups of its own from the first sync: see below
             try:
                 result, ok = exchange(self.group, self.size), True
@@ -145,6 +158,79 @@ class Membership:
 
         return self._decide(key, "vote", hang_s, outcome, outcome_key="outcome") == "commit"
 
+    # -- joins -------------------------------------------------------------------------------------------------
+
+    def joiners_at(self, at: str) -> dict[int, int]:
+        """At a point every member reaches alike (`at`, the same name on every rank): the ranks started again and
+        waiting to rejoin ({rank: incarnation}), as the first member to look saw them (store reads only)."""
+        key = f"{self._key}{at}/joiners"
+        if not self._store.check([key]):
+            self._store.compare_set(key, "", json.dumps(self._waiting()))
+        return {int(r): n for r, n in json.loads(self._store.get(key)).items()}
+
+    def admit(self, at: str, joiners: dict[int, int], state: Callable[[], bytes], hang_s: float | None) -> list[int]:
+        """`joiners_at(at)` become members and get `state()` of a live member; returns the ranks admitted (a joiner
+        lost meanwhile is not)."""
+        members = sorted({*self.members, *joiners})
+        incarnations = {**self.incarnations, **joiners}
+        news = json.dumps({"at": at, "members": members, "incarnations": incarnations, "joiners": joiners})
+        for rank, number in joiners.items():
+            self._store.compare_set(f"{self._key}admitted/{rank}.{number}", "", news)
+        log.info("%s: rank(s) %s rejoin the %d replicas", at, ", ".join(map(str, joiners)), self.size)
+        self.members, self.incarnations = members, incarnations
+        self.run(f"{at}/join", functools.partial(self._share, set(joiners), state), hang_s)
+        return [r for r in joiners if r in self.members]
+
+    def join(self, hang_s: float | None) -> bytes:
+        """This process rejoins the running job (its rank's incarnation `incarnation()`): waits until the members
+        admit it at their next round's end, and returns the state a live member sent."""
+        number = incarnation()
+        self._store.set(f"{self._key}join/{self.rank}", str(number))
+        key = f"{self._key}admitted/{self.rank}.{number}"
+        others = self._world - 1
+        while not self._store.check([key]):
+            gone = departed_ranks(self._store, job_prefix(), self._world)
+            if len(gone) >= others:  # (this start is not among them)
+                raise Dropped(f"rank {self.rank} could not rejoin: every other replica has ended")
+            time.sleep(4 * POLL_S)
+        news = json.loads(self._store.get(key))
+        self.members = news["members"]
+        self.incarnations = {int(r): n for r, n in news["incarnations"].items()}
+        self.group, self._group_members = None, []
+        joiners = {int(r) for r in news["joiners"]}
+        log.info("rank %d rejoins at %s with %d members", self.rank, news["at"], self.size)
+        return self.run(f"{news['at']}/join", functools.partial(self._share, joiners, lambda: b""), hang_s)
+
+    def _waiting(self) -> dict[int, int]:
+        """Ranks outside the members whose latest start asked to join and is not lost: {rank: incarnation}."""
+        waiting = {}
+        for rank in range(self._world):
+            if rank in self.members or not self._store.check([f"{self._key}join/{rank}"]):
+                continue
+            number = int(self._store.get(f"{self._key}join/{rank}"))
+            latest = latest_incarnation(self._store, rank, job_prefix())
+            if number == latest > self.incarnations.get(rank, 0) and not self._store.check(
+                [lost_key(rank, job_prefix(), number)]
+            ):
+                waiting[rank] = number
+        return waiting
+
+    def _share(self, joiners: set[int], state: Callable[[], bytes], group: Any, members: int) -> bytes:
+        """A join's exchange: the lowest-ranked member that is not joining sends `state()` to every member."""
+        sources = [r for r in self.members if r not in joiners]
+        if not sources:
+            raise Dropped("no replica of the running job is left to rejoin from")
+        mine = state() if self.rank == sources[0] else b""
+        length = torch.tensor([len(mine)], dtype=torch.int64)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+        payload = torch.zeros(int(length), dtype=torch.uint8)
+        if mine:
+            payload.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+        dist.all_reduce(payload, group=group)  # the sender's bytes plus zeros: a broadcast over all_reduce
+        return payload.numpy().tobytes()
+
+    # -- the store's decisions, continued ----------------------------------------------------------------------
+
     def _decide(
         self,
         key: str,
@@ -182,7 +268,8 @@ class Membership:
         failure_key = f"{job_prefix()}failure"
         if self._store.check([failure_key]):
             failure = json.loads(self._store.get(failure_key))
-            if failure.get("by") == rank:
+            # (a failure of an earlier start of the rank is not this one's)
+            if failure.get("by") == rank and failure.get("incarnation", 0) == self.incarnations.get(rank, 0):
                 why = describe_failure(failure)
         if why is None and beat is not None:  # (a rank that never beat is judged by the deadline alone)
             now = time.monotonic()
@@ -193,7 +280,7 @@ class Membership:
             why = f"alive, but it did not reach the sync within {hang_s:.0f} s"
         if why is None:
             return False
-        self._store.compare_set(lost_key(rank), "", why)  # the first judgment stays
+        self._store.compare_set(self._lost_key(rank), "", why)  # the first judgment stays
         return True
 
     def _forget(self, names: list[str]) -> None:
@@ -204,8 +291,11 @@ class Membership:
                 self._store.delete_key(f"{self._key}{name}/{what}/{self.rank}")
         self._done = names
 
+    def _lost_key(self, rank: int) -> str:
+        return lost_key(rank, job_prefix(), self.incarnations.get(rank, 0))
+
     def _why_lost_already(self, rank: int) -> str | None:
-        key = lost_key(rank)
+        key = self._lost_key(rank)
         return self._store.get(key).decode() if self._store.check([key]) else None
 
     # -- the group ---------------------------------------------------------------------------------------------
@@ -213,7 +303,8 @@ class Membership:
     def _rebuild(self, members: list[int], name: str) -> None:
         """A fresh Gloo group over `members`, from the store (c10d's own pieces: no global group table involved)."""
         self.epoch += 1
-        store = dist.PrefixStore(f"{self._key}group{self.epoch}/", self._store)
+        # Keyed by the try's name, the same on every member (a joiner's count of rebuilds is its own).
+        store = dist.PrefixStore(f"{self._key}groups/{name}/", self._store)
         rank, size = members.index(self.rank), len(members)
         timeout = datetime.timedelta(seconds=self.timeout)
         backend = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -221,5 +312,5 @@ class Membership:
         group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         for device in ("cpu", "cuda"):  # Gloo takes CUDA tensors too (through host memory)
             group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
-        self.members, self.group = members, group
+        self.members, self.group, self._group_members = members, group, list(members)
         log.info("sync %s: %d members, group %d", name, size, self.epoch)

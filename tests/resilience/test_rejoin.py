@@ -1,0 +1,72 @@
+"""A rank started again under on_lost_replica=continue: found lost in the job's store, it becomes the rank's next
+incarnation and starts a stand-in default group, whose collectives called by the script end with one line; shutdown()
+undoes all of it. (The join itself, on emulated nodes: test_lost_replica.py.)"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import trainaccel
+from conftest import free_port
+from trainaccel.resilience import failfast, rejoin
+
+
+@pytest.fixture
+def job_store(monkeypatch):
+    """A job's store, and the environment torchrun gives rank 2 of 3 workers."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "3"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield store
+    trainaccel.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_rank_found_lost_rejoins_with_a_stand_in_group(job_store, lost):
+    if lost:
+        job_store.set(failfast.lost_key(2, "trainaccel/0/"), "killed")
+    init_process_group, all_reduce = dist.init_process_group, dist.all_reduce
+    trainaccel.init(start_process_group=False, sync_every=4, on_lost_replica="continue")
+    assert failfast.incarnation() == (1 if lost else 0)
+    assert (dist.init_process_group is init_process_group) is not lost
+    if not lost:
+        return
+    assert int(job_store.get(failfast.incarnation_key(2, "trainaccel/0/"))) == 1
+    dist.init_process_group("gloo")  # the script's call: no peer answers, the stand-in needs none
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (2, 3, "fake")
+    with pytest.raises(RuntimeError, match=r"^all_reduce\(\) on the default group: rank 2 rejoined a running job"):
+        dist.all_reduce(torch.ones(1))
+    with pytest.raises(RuntimeError, match=r"^barrier\(\) on the default group"):
+        dist.barrier()
+    dist.destroy_process_group()
+    trainaccel.shutdown()
+    assert failfast.incarnation() == 0 and dist.init_process_group is init_process_group
+    assert dist.all_reduce is all_reduce
+
+
+def test_a_later_start_is_the_next_incarnation(job_store):
+    """The rank's second start was lost too: the third is incarnation 2, judged by its own lost key."""
+    job_store.set(failfast.lost_key(2, "trainaccel/0/"), "killed")
+    job_store.add(failfast.incarnation_key(2, "trainaccel/0/"), 1)
+    job_store.set(failfast.lost_key(2, "trainaccel/0/", 1), "frozen")
+    assert rejoin.prepare_rejoin() == 2
+    assert failfast.departed(job_store, "trainaccel/0/", 3) == 0  # its latest start is alive
+
+
+def test_a_collective_on_another_group_passes():
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        calls.append(group)
+        return "done"
+
+    refused = rejoin._refused("all_reduce", all_reduce, 2)
+    members = object()
+    assert refused(torch.ones(1), group=members) == "done" and calls == [members]
+    with pytest.raises(RuntimeError, match="all_reduce"):
+        refused(torch.ones(1))
