@@ -28,6 +28,9 @@ from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
 WORKER_MODULE = "trainaccel.bench.quality_worker"
 # A lossy arm keeps quality when its final validation loss is within this of plain DDP's.
 TOLERANCE = 0.02
+# Arms of this bench only (run with --arms): zero-code trainaccel with these options, sync_scope as auto picks.
+OWN_ARMS = {"auto": {"sync_every": "auto"}}
+LABELS = {"auto": "auto (sync_every=auto: H, fragments, overlap, outer codec chosen)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
     parser.add_argument(
         "--arms",
-        help=f"comma-separated subset of {', '.join(ARMS)} (default all but torch-bf16 on CPU, where torch's "
-        "bf16 hook refuses to run)",
+        help=f"comma-separated subset of {', '.join((*ARMS, *OWN_ARMS))} (default all but torch-bf16 on CPU, where "
+        "torch's bf16 hook refuses to run, and auto: zero-code sync_every=auto, which picks H, fragments, overlap "
+        "and the outer codec)",
     )
     parser.add_argument(
         "--variant",
@@ -163,6 +167,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "parameters": results[-1]["parameters"],
             "curves": [r["curve"] for r in results],
         }
+        if any(r.get("auto_settings") for r in results):
+            entry["auto_settings"] = [r.get("auto_settings", []) for r in results]  # per repeat, as logged
         if base:
             entry["loss_vs_baseline"] = statistics.median(
                 r["final_validation_loss"] / b["final_validation_loss"] - 1 for r, b in zip(results, base)
@@ -182,7 +188,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-def render(summary: dict[str, dict], title: str, metric: str) -> None:
+def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -196,7 +202,7 @@ def render(summary: dict[str, dict], title: str, metric: str) -> None:
         to_target = s.get("median_seconds_to_target")
         local = arm == "local"
         table.add_row(
-            arm,
+            (labels or {}).get(arm, arm),
             f"{s['median_seconds']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
             "-" if share is None else f"{share:.0%}",
@@ -207,14 +213,23 @@ def render(summary: dict[str, dict], title: str, metric: str) -> None:
             "-" if local or s.get("speedup_to_target") is None else f"{s['speedup_to_target']:.2f}x",
             "-" if s["bytes_per_step"] is None else f"{s['bytes_per_step'] / 2**20:.2f} MiB",
         )
-    Console(width=max(120, Console().width)).print(table)
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    for arm, s in summary.items():  # sync_every=auto's choices, each repeat's, as its rank 0 logged them
+        for repeat, lines in enumerate(s.get("auto_settings", []), 1):
+            for line in lines:
+                console.print(f"{arm}, repeat {repeat}: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
-        arms = parse_arms(args.arms, ARMS)
+        arms = parse_arms(args.arms, (*ARMS, *OWN_ARMS)) if args.arms is not None else parse_arms(None, ARMS)
         arm_options, config, options, emulation = arm_settings(args, arms)
+        labels = {}
+        for arm, own in OWN_ARMS.items():  # a --variant of the same label is the user's own arm
+            if arm in arms and arm not in {v.partition(":")[0].strip() for v in args.variant}:
+                arm_options[arm], labels[arm] = {**arm_options[arm], **own}, LABELS[arm]
         if args.lose and emulation is None:
             raise ValueError("--lose needs --emulate: a node to lose")
         losses = parse_losses(args, arm_options, emulation.nodes if emulation is not None else 0)
@@ -255,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
         f"median of {args.repeats}; target loss = plain DDP's + {TOLERANCE:.0%}"
         + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
     )
-    render(summary, title, task.metric)
+    render(summary, title, task.metric, labels)
     if args.plot:
         plot_quality(summary, title, args.plot)
     if args.json:

@@ -14,6 +14,7 @@ default group, which a lost worker would end.
 
 import argparse
 import json
+import logging
 import os
 import signal
 import time
@@ -34,6 +35,19 @@ from trainaccel.bench.worker import (
 )
 from trainaccel.comm import bytes_sent, sync_replicas
 from trainaccel.context import current_config
+
+
+class _Said(logging.Handler):
+    """Keeps the trainaccel log lines that start with `prefix` (sync_every=auto's choices), for the result."""
+
+    def __init__(self, prefix: str):
+        super().__init__(logging.INFO)
+        self.prefix, self.lines = prefix, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.prefix):
+            self.lines.append(message)
 
 
 def main() -> None:
@@ -66,6 +80,12 @@ def main() -> None:
     curve = []  # (step, seconds of training so far, validation loss, validation accuracy)
     elapsed, started = 0.0, 0.0
     config = current_config()
+    said = _Said("sync_every=auto:")
+    if config is not None and config.sync_every == "auto":  # its choices go into the result, whatever log_level says
+        trainaccel_log = logging.getLogger("trainaccel")
+        trainaccel_log.addHandler(said)
+        if not trainaccel_log.isEnabledFor(logging.INFO):
+            trainaccel_log.setLevel(logging.INFO)
     own_clock = config is not None and config.on_lost_replica == "continue"
     lost_here = args.lose_node is not None and int(os.environ.get("GROUP_RANK", "0")) == args.lose_node
 
@@ -119,6 +139,7 @@ def main() -> None:
             "bytes_per_step": sent,
             "comm_hook": comm_hook(model),
             "parameters": sum(p.numel() for p in model.parameters()),
+            "auto_settings": said.lines,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

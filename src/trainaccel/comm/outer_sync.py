@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import io
 import logging
-import math
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,7 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm.codecs import Codec, ErrorFeedback, get_codec
+from trainaccel.comm import auto_setting
+from trainaccel.comm.auto_setting import interval_for  # noqa: F401 (its home before auto_setting)
+from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression, get_codec
 from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
@@ -47,9 +49,8 @@ from trainaccel.resilience.membership import Membership
 log = logging.getLogger("trainaccel")
 
 FORMAT = 2  # 1: before fragments (one of everything); still read
-# sync_every=auto: the first sync after AUTO_FIRST steps; then the interval keeps syncs to AUTO_SHARE of the time
-# (the 90%-of-the-compute-ceiling mark), chosen from the median of the last AUTO_WINDOW step times, at most AUTO_MAX.
-AUTO_FIRST, AUTO_SHARE, AUTO_WINDOW, AUTO_MAX = 4, 0.1, 20, 500
+# sync_every=auto: the first sync after AUTO_FIRST steps measures; its policy is comm/auto_setting.py's.
+AUTO_FIRST, AUTO_WINDOW = auto_setting.FIRST, auto_setting.WINDOW
 SCOPES = ("rank", "node")
 
 
@@ -77,6 +78,44 @@ class _Fragment:
     @property
     def key(self) -> str:
         return f"diloco/{self.index}"
+
+
+class _Auto:
+    """sync_every=auto's state: the options it picks, its measuring round, its setting, the exchanges timed."""
+
+    __slots__ = {
+        "free": "the options left to auto (auto_setting.left_to_auto); the others are the user's",
+        "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
+        "fp16_scale": "Config's fp16_scale, for the codec in use",
+        "measuring": "the first round: its syncs wait for a full-precision exchange, which is timed",
+        "setting": "the auto_setting.Setting in use (None while measuring)",
+        "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
+        "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
+        "skip": "the round after the first choice is not measured: its syncs' exchanges finish in the next one",
+    }
+
+    def __init__(self, config: Config):
+        self.free = auto_setting.left_to_auto(config)
+        self.given_codec, self.fp16_scale = config.outer_compression, config.fp16_scale
+        self.measuring, self.setting = True, None
+        self.exchanged: list[float] = []
+        self.rounds: list[tuple[float, float]] = []
+        self.skip = False
+
+    def timed(self, exchange: Callable[..., Any]) -> Callable[..., Any]:
+        """`exchange`, its seconds noted in `exchanged` when it succeeds."""
+
+        def run(*args: Any) -> Any:
+            start = time.perf_counter()
+            result = exchange(*args)
+            self.exchanged.append(time.perf_counter() - start)
+            return result
+
+        return run
+
+    def say(self, setting: auto_setting.Setting) -> None:
+        self.setting = setting
+        info_once(setting.line(frozenset(auto_setting.PICKED) - self.free))
 
 
 class OuterSync:
@@ -107,6 +146,7 @@ class OuterSync:
         "_timing": "auto: [end of the last inner step, recent step seconds (syncs left out), seconds in syncs]",
         "_measured": "auto: the future of the slowest rank's (sync, step) seconds, read at the next round's end",
         "_outer_settings": "(outer_lr, outer_momentum) for the outer optimizers made with the anchors",
+        "_auto": "sync_every=auto: what it picks and has measured (`_Auto`); None for an integer sync_every",
         "_hang_timeout": "the job's hang_timeout: how long the syncs wait for a member alive but absent",
         "_membership": "on_lost_replica=continue: the replicas taking part in the syncs (None: the whole group)",
         "_admit_at": "on_lost_replica=continue: `steps` after which replicas started again may join (a round applied)",
@@ -167,8 +207,11 @@ class OuterSync:
         self._timing: list[Any] = [None, [], 0.0]
         self._measured: torch.futures.Future | None = None
         self._outer_settings = (config.outer_lr, config.outer_momentum)
-        self._codec = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
+        self._codec = configured = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
+        self._auto = _Auto(config) if self.sync_every == "auto" else None
+        if self._auto is not None:  # the measuring round's syncs: full precision, no residual to carry past it
+            self._codec, self._feedback = NoCompression(), None
         self._engine_group = engine_group(self.group)
         self.live_is_synced, self._synced_buffers = False, []
         self._hierarchy: HierarchicalReduce | None = None
@@ -180,7 +223,7 @@ class OuterSync:
             self._survive_lost_replicas(config)
         # The payloads are gathered across nodes only when the change goes in two levels.
         across = self._hierarchy.topology.num_nodes if self._hierarchy is not None else dist.get_world_size(self.group)
-        warn_if_gathering_costs_more(self._codec, across, "parameter", "outer_compression")
+        warn_if_gathering_costs_more(configured, across, "parameter", "outer_compression")
 
     def use_scope(self, scope: str, hierarchical: str) -> None:
         """Replicas per node (`node`: each node's workers hold one, its change crosses nodes once, a shard from each
@@ -222,7 +265,7 @@ class OuterSync:
                 for param, anchor in zip(fragment.params, fragment.anchors):
                     param.copy_(anchor)
             for buffer, value in zip(self._fragments[-1].buffers, state["buffers"]):
-                buffer.copy_(value)
+                buffer.copy_(value.view_as(buffer))  # (kept flat after a sync)
         self._synced_buffers = [b.to(self.params[0].device) for b in state["buffers"]]
         self.synced_at, self.live_is_synced, self.rejoined_at = self.steps, True, self.steps
         info_once(f"rejoined the running job at inner step {self.steps} with {len(self.members)} replicas")
@@ -326,22 +369,28 @@ class OuterSync:
             fragment.next_sync = start + (fragment.index + 1) * self.interval // count
 
     def _end_round(self) -> None:
-        if self.sync_every == "auto":
-            self._choose_interval()
+        if self._auto is not None:
+            self._choose()
         self._schedule(self.steps)
 
-    def _choose_interval(self) -> None:
-        """auto: the smallest interval whose syncs take at most AUTO_SHARE of the time (slowest rank's figures).
+    def _choose(self) -> None:
+        """auto: the setting from the measuring round's figures (at once), then the interval from each round's.
 
-        The slowest rank's times travel on the communication thread behind the syncs in flight, and are read at
-        the end of the next round: every rank decides alike, one round late, without waiting on the exchanges.
+        Every rank's (median step, seconds exchanged) go through one MAX allreduce on the communication thread: the
+        slowest step and the least wait for the exchanges (the others also waited for the slowest to arrive), the
+        same figures on every rank, so every rank decides alike. After the measuring round they are read at the end
+        of the next round, without waiting on the exchanges in flight.
         """
-        _, recent, took = self._timing
+        auto = self._auto
+        recent = self._timing[1]
         self._timing[2] = 0.0
-        previous, self._measured = self._measured, None
+        exchanged, auto.exchanged[:] = sum(auto.exchanged), []
+        if auto.skip:
+            auto.skip = False
+            return
         step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
         group = self._engine_group
-        measured = torch.tensor([took, step_s], dtype=torch.float64, device=group_device(group))
+        measured = torch.tensor([step_s, -exchanged], dtype=torch.float64, device=group_device(group))
 
         def slowest_over(group: Any, members: int = 0) -> torch.Tensor:
             mine = measured.clone()  # each try of the membership's from the same figures
@@ -352,17 +401,85 @@ class OuterSync:
             slowest = functools.partial(self._membership.run, f"auto@{self.steps}", slowest_over, self._hang_s())
         else:
             slowest = functools.partial(slowest_over, group)
-        self._measured = comm_thread().submit(slowest, measured.device)
+        previous, self._measured = self._measured, comm_thread().submit(slowest, measured.device)
+        if auto.measuring:  # its syncs waited for their exchanges: nothing in flight, the ranks together
+            step_s, least = self._measured.wait().tolist()
+            self._measured = None
+            replicas = len(self.members)
+            if self.scope == "node" and self._hierarchy is not None:
+                replicas = self._hierarchy.topology.num_nodes
+            elements = sum(p.numel() for f in self._fragments for p in f.params)
+            figures = auto_setting.Measured(step_s, -least, self._codec.name, elements, replicas)
+            fragments, codec = len(self._fragments), auto.given_codec
+            self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
+            return
         if previous is None:
             return
-        took, step_s = previous.wait().tolist()
-        chosen = max(self._least_interval(), interval_for(took, step_s))
-        if chosen != self.interval:
-            self.interval = chosen
-            info_once(
-                f"sync_every=auto: a sync every {chosen} steps (a sync takes {took:.3f} s, a step {step_s:.3f} s: "
-                f"{100 * took / max(chosen * step_s + took, 1e-9):.0f}% of the time in syncs)"
-            )
+        step_s, least = previous.wait().tolist()
+        auto.rounds = [*auto.rounds[1 - auto_setting.ROUNDS :], (step_s, max(0.0, -least))]
+        steps, exchanges = zip(*auto.rounds)
+        setting = auto_setting.rechoose(auto.setting, statistics.median(steps), statistics.median(exchanges))
+        if setting.interval != self.interval:
+            self.interval = setting.interval
+            auto.say(setting)
+
+    def _take(self, setting: auto_setting.Setting) -> None:
+        """auto's first choice, right after the measuring round's whole-model sync: fragments re-split (each tensor
+        keeps its anchor and outer momentum), the codec (no residual yet: the syncs so far were exact), overlap."""
+        auto = self._auto
+        auto.measuring, auto.skip = False, True
+        if setting.fragments != len(self._fragments):
+            self._split(setting.fragments)
+        if setting.codec != self._codec.name:
+            self._use_codec(setting.codec)
+        self.overlap, self.interval = setting.overlap, setting.interval
+        auto.say(setting)
+
+    def _split(self, count: int) -> None:
+        """The parameters in `count` fragments (none in flight); each tensor keeps its anchor and outer state."""
+        old = self._fragments
+        params = [p for f in old for p in f.params]  # the local parts, in the order of self.params
+        anchors = [a for f in old for a in f.anchors] if self.started else None
+        kept = {id(a): f.outer.state[a] for f in old if f.outer is not None for a in f.anchors if a in f.outer.state}
+        self._fragments, done = [], 0
+        for i, run in enumerate(split_fragments(self.params, count)):
+            part = slice(done, done + len(run))
+            fragment = _Fragment(i, params[part], old[-1].buffers if i == count - 1 else [])
+            if anchors is not None:
+                fragment.anchors = anchors[part]
+                fragment.outer = self._outer_over(fragment.anchors)
+                for anchor in fragment.anchors if fragment.outer is not None else ():
+                    if id(anchor) in kept:
+                        fragment.outer.state[anchor] = kept[id(anchor)]
+            self._fragments.append(fragment)
+            done += len(run)
+
+    def _use_codec(self, name: str) -> None:
+        """The outer codec from now on, with fresh error feedback (call where no residual is held)."""
+        self._codec = get_codec(name, fp16_scale=self._auto.fp16_scale)
+        self._feedback = ErrorFeedback() if self._codec.lossy else None
+        if self._hierarchy is not None:
+            self._hierarchy = HierarchicalReduce(self._hierarchy.topology, self._codec, self._feedback, check=True)
+
+    def _resume_auto(self, state: dict[str, Any]) -> None:
+        """auto resumed: the checkpoint's fragments, overlap and codec (its picks; the others were checked equal),
+        still measuring if it was (a checkpoint without auto's state: as one taken before its choice)."""
+        auto = self._auto
+        auto.measuring = (state.get("auto") or {"measuring": True})["measuring"]
+        auto.exchanged[:] = []
+        if state["sync_fragments"] != len(self._fragments):
+            self._split(state["sync_fragments"])
+        self.overlap = state["sync_overlap"]
+        codec = "none" if auto.measuring else state["outer_compression"]
+        if codec != self._codec.name:
+            self._use_codec(codec)
+        if not auto.measuring:
+            fragments = len(self._fragments)
+            auto.say(auto_setting.Setting(state["interval"], fragments, self.overlap, codec, "from the checkpoint"))
+
+    def _codec_setting(self) -> str:
+        """The outer codec as set: auto's measuring round syncs in full precision, but the setting is unchanged."""
+        return self._auto.given_codec if self._auto is not None and self._auto.measuring else self._codec.name
 
     def _start(self) -> None:
         """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
@@ -377,12 +494,17 @@ class OuterSync:
         self.live_is_synced = True
 
     def _make_anchors(self) -> None:
-        lr, momentum = self._outer_settings
-        nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
         for fragment in self._fragments:
             fragment.anchors = [kept_copy(p) for p in fragment.params]
-            if self.outer_optimizer != "average":
-                fragment.outer = torch.optim.SGD(fragment.anchors, lr=lr, momentum=momentum, nesterov=nesterov)
+            fragment.outer = self._outer_over(fragment.anchors)
+
+    def _outer_over(self, anchors: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+        """A fragment's outer optimizer over its anchors (None for average)."""
+        if self.outer_optimizer == "average":
+            return None
+        lr, momentum = self._outer_settings
+        nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
+        return torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=nesterov)
 
     def _begin(self, fragment: _Fragment, outer: bool) -> None:
         """Start averaging a fragment's change (anchor - parameters) on the communication thread.
@@ -405,11 +527,14 @@ class OuterSync:
         hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
         if self._membership is not None:
             name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
-            average = self._among_members(fragment, change, buffers, name)
+            average = self._among_members(fragment, change, buffers, name, timed=outer and self._auto is not None)
         else:
             key = fragment.key
             average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
-        overlapped = outer and self.overlap > 0
+            if outer and self._auto is not None:
+                average = self._auto.timed(average)
+        measuring = self._auto is not None and self._auto.measuring  # auto's first round waits for its syncs
+        overlapped = outer and self.overlap > 0 and not measuring
         snapshot = None  # what the steps taken while the exchange runs are measured from
         if overlapped:
             snapshot = torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
@@ -427,10 +552,10 @@ class OuterSync:
         return hang_s
 
     def _among_members(
-        self, fragment: _Fragment, change: torch.Tensor, buffers: torch.Tensor | None, sync: str
+        self, fragment: _Fragment, change: torch.Tensor, buffers: torch.Tensor | None, sync: str, timed: bool = False
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, int]]:
         """on_lost_replica=continue: the sync's exchange over the members present (`Membership.run`), each try from
-        the same inputs and the residual as it was before the sync."""
+        the same inputs and the residual as it was before the sync; `timed`: auto times the try that succeeded."""
         membership, codec, feedback, key = self._membership, self._codec, self._feedback, fragment.key
         hang_s = self._hang_s()
         kept = feedback.residuals.get(key) if feedback is not None else None
@@ -449,7 +574,7 @@ class OuterSync:
                 sent += mine.numel() * mine.element_size()
             return mean, mine, sent
 
-        return functools.partial(membership.run, sync, exchange, hang_s)
+        return functools.partial(membership.run, sync, self._auto.timed(exchange) if timed else exchange, hang_s)
 
     def _finish(self, fragment: _Fragment, outer: bool) -> None:
         """Apply a fragment's averaged change: the outer step (`outer`) or the replicas' mean (sync()).
@@ -574,11 +699,12 @@ class OuterSync:
             "syncs": self.syncs,
             "anchors": [a for f in fragments for a in f.anchors] if self.started else None,
             "outer": [f.outer.state_dict() if f.outer is not None else None for f in fragments],
-            "outer_compression": self._codec.name,
+            "outer_compression": self._codec_setting(),
             # What a lossy codec has not sent yet, and fp16's dynamic scales: part of the trajectory.
             "residuals": dict(self._feedback.residuals) if self._feedback is not None else {},
             "scales": dict(getattr(self._codec, "scales", None) or {}),
             "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
+            "auto": {"measuring": self._auto.measuring} if self._auto is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
@@ -588,9 +714,10 @@ class OuterSync:
         mine = {"sync_every": self.sync_every, "outer_optimizer": self.outer_optimizer, "warmup": self.warmup}
         mine["sync_scope"] = self.scope
         mine.update(sync_fragments=len(self._fragments), sync_overlap=self.overlap)
-        mine["outer_compression"] = self._codec.name
+        mine["outer_compression"] = self._codec_setting()
+        picked = self._auto.free if self._auto is not None else frozenset()
         for name, value in mine.items():
-            if state[name] != value:
+            if state[name] != value and name not in picked:  # what auto picks is taken from the checkpoint
                 name = "sync_warmup" if name == "warmup" else name
                 raise ValueError(f"the checkpoint was taken with {name}={state[name]!r}, this run has {name}={value!r}")
         if state["anchors"] is not None and len(state["anchors"]) != len(self.params):
@@ -601,6 +728,8 @@ class OuterSync:
             if fragment.pending is not None:
                 fragment.pending[1].wait()
                 fragment.pending = None
+        if self._auto is not None:
+            self._resume_auto(state)
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
         self.interval = state["interval"]
         for fragment, next_sync in zip(self._fragments, state["next_sync"]):
@@ -735,15 +864,6 @@ def _upgrade(state: dict[str, Any]) -> dict[str, Any]:
     old["residuals"] = {("diloco/0" if k == "diloco" else k): v for k, v in state["residuals"].items()}
     old["timing"] = [[], 0.0, None]
     return old
-
-
-def interval_for(sync_s: float, step_s: float, share: float | None = None) -> int:
-    """The smallest number of inner steps between syncs for which syncs take at most `share` of the time."""
-    share = AUTO_SHARE if share is None else share
-    if step_s <= 0:
-        return AUTO_MAX
-    needed = sync_s * (1 - share) / (share * step_s)  # sync / (interval * step + sync) <= share
-    return int(min(AUTO_MAX, max(1, math.ceil(needed - 1e-9))))
 
 
 def resolve(config: Config | None, given: dict[str, Any]) -> Config:

@@ -1,0 +1,150 @@
+"""`sync_every=auto`'s policy: the interval, fragments, overlap and outer codec from a measured step and sync.
+
+The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a full-precision
+exchange. From the slowest rank's step time and the least any rank waited for that exchange (the others also waited
+for the slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on the
+communication thread, re-choose the interval only (`rechoose()`): fragments and codec change where it is exact.
+
+- outer codec: the least lossy of none, bf16, int8, fp4 whose whole-model sync fits in one inner step (fp4 if none
+  does): one step of overlap can then hide it.
+- fragments: the fewest (at most `MAX_FRAGMENTS`) whose each exchange takes at most half a step, a margin for the
+  codec's work and the training sharing the machine.
+- overlap: 1 step. Measured on the text task: one step of overlap cost no quality, a whole round's did (+7.7%).
+- interval H: the smallest whose syncs, counted as if nothing were hidden, take at most `SHARE` of the time, and at
+  most `H_CAP`: a longer interval buys speed with quality (docs/communication.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from trainaccel.comm.codecs import get_codec
+
+FIRST = 4  # the measuring round's inner steps
+WINDOW = 20  # step times kept for the median
+ROUNDS = 5  # rounds whose figures' medians re-choose H
+SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap
+H_CAP = 10  # the longest interval auto picks: quality falls with longer ones (docs/communication.md)
+MAX_FRAGMENTS = 4
+CODECS = ("none", "bf16", "int8", "fp4")  # least lossy first
+# The options auto picks where they are left at their defaults (Config's), and their defaults.
+PICKED = {"sync_fragments": 1, "sync_overlap": 0, "outer_compression": "none"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a choice is made from: the same figures on every rank."""
+
+    step_s: float  # median inner step, the slowest rank's
+    sync_s: float  # a whole-model sync's exchange in `codec`, the least any rank waited
+    codec: str
+    elements: int  # parameter elements a replica syncs
+    replicas: int  # replicas the change is averaged over
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """auto's choice, and why in words."""
+
+    interval: int
+    fragments: int
+    overlap: int
+    codec: str
+    why: str
+
+    def line(self, given: frozenset[str] = frozenset()) -> str:
+        """The one line auto logs for this setting; `given`: the options the user set (not auto's picks)."""
+
+        def mark(option: str) -> str:
+            return " (set)" if option in given else ""
+
+        return (
+            f"sync_every=auto: H={self.interval}, {self.fragments} fragment{'s' if self.fragments > 1 else ''}"
+            f"{mark('sync_fragments')}, overlap {self.overlap}{mark('sync_overlap')}, "
+            f"{self.codec}{mark('outer_compression')} ({self.why})"
+        )
+
+
+def left_to_auto(config: Any) -> frozenset[str]:
+    """The options of `PICKED` that `config` leaves at their defaults: auto picks those (a value equal to the default
+    counts as left: to fix one of them, give sync_every an integer)."""
+    return frozenset(option for option, default in PICKED.items() if getattr(config, option) == default)
+
+
+def received_bytes(codec: str, elements: int, replicas: int) -> float:
+    """Bytes each replica receives for one sync of `elements` float32 values in `codec`."""
+    made = get_codec(codec)
+    if made.summable:  # a ring allreduce: reduce-scatter, then all-gather
+        width = 4 if codec == "none" else 2
+        return 2 * width * elements * (replicas - 1) / max(replicas, 1)
+    return (replicas - 1) * made.payload_bytes(elements)  # gathered: every other replica's payload
+
+
+def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: int, codec: str, tensors: int) -> Setting:
+    """The setting for `measured`; options not in `free` keep the given `fragments`, `overlap`, `codec`; at most
+    `tensors` fragments (a fragment holds whole tensors)."""
+    step, replicas, elements = measured.step_s, max(measured.replicas, 2), measured.elements
+    measured_bytes = received_bytes(measured.codec, elements, replicas)
+
+    def sync_in(name: str) -> float:
+        return measured.sync_s * received_bytes(name, elements, replicas) / measured_bytes
+
+    what = "a full-precision sync" if measured.codec == "none" else f"a {measured.codec} sync"
+    said = f"step {step:.3f} s, {what} {measured.sync_s:.3f} s"
+    if measured.sync_s > 0:
+        said += f" at {measured_bytes / measured.sync_s / 1e6:.0f} MB/s"
+    reasons = []
+    if "outer_compression" in free:
+        codec = next((c for c in CODECS if sync_in(c) <= step), min(CODECS, key=sync_in))
+        fits = "under one step" if sync_in(codec) <= step else "the least, still over a step"
+        named = "full precision" if codec == "none" else codec
+        reasons.append(f"{named} makes it {sync_in(codec):.3f} s, {fits}")
+    sync_s = sync_in(codec)
+    if "sync_fragments" in free:
+        most = max(1, min(MAX_FRAGMENTS, tensors))
+        fragments = next((f for f in range(1, most + 1) if sync_s / f <= step / 2), most)
+        if fragments > 1:
+            fits = "under half a step each" if sync_s / fragments <= step / 2 else "the most auto makes"
+            reasons.append(f"{fragments} fragments of {sync_s / fragments:.3f} s, {fits}")
+    if "sync_overlap" in free:
+        overlap = 1
+    interval, why = interval_within(sync_s, step, max(fragments, overlap, 1))
+    reasons = [f"{said}: {', '.join(reasons)}" if reasons else said, why]
+    return Setting(interval, fragments, overlap, codec, "; ".join(reasons))
+
+
+def rechoose(setting: Setting, step_s: float, exchanged_s: float) -> Setting:
+    """`setting` with its interval chosen again from re-measured figures (medians of the last rounds; structure kept).
+
+    Up as soon as syncs take more than SHARE of the time, down only where the shorter H keeps them within half of it:
+    a figure near the boundary does not move H back and forth.
+    """
+    least = max(setting.fragments, setting.overlap, 1)
+    interval, why = interval_within(exchanged_s, step_s, least)
+    if interval < setting.interval:  # down only as far as half the share allows
+        interval, why = interval_within(exchanged_s, step_s, least, SHARE / 2)
+        interval = min(interval, setting.interval)
+    if interval == setting.interval:
+        return setting
+    why = f"step {step_s:.3f} s, a round's exchanges {exchanged_s:.3f} s, re-measured; {why}"
+    return dataclasses.replace(setting, interval=interval, why=why)
+
+
+def interval_within(sync_s: float, step_s: float, least: int, share: float = SHARE) -> tuple[int, str]:
+    """H: the smallest (at least `least`) whose syncs of `sync_s` take at most `share` of the time, at most H_CAP."""
+    needed = interval_for(sync_s, step_s, share)
+    cap = max(H_CAP, least)
+    if needed >= cap:
+        return cap, f"H capped at {cap} for quality"
+    interval = max(needed, least)
+    return interval, f"H={interval} keeps syncs within {share:.0%} of the time even unhidden"
+
+
+def interval_for(sync_s: float, step_s: float, share: float = SHARE, most: int = 500) -> int:
+    """The smallest number of inner steps between syncs for which syncs take at most `share` of the time."""
+    if step_s <= 0:
+        return most
+    needed = sync_s * (1 - share) / (share * step_s)  # sync / (interval * step + sync) <= share
+    return int(min(most, max(1, math.ceil(needed - 1e-9))))

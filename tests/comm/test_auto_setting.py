@@ -1,0 +1,149 @@
+"""sync_every=auto's choice of the whole setting: the policy's picks, the options it leaves alone, every rank alike."""
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import run, trainaccel_cmd
+from trainaccel.comm.auto_setting import H_CAP, PICKED, Measured, choose, left_to_auto, received_bytes, rechoose
+from trainaccel.config import Config
+
+ALL = frozenset(PICKED)
+ELEMENTS = 1_840_000  # the text task's language model
+
+
+def _choose(step_s, sync_s, free=ALL, fragments=1, overlap=0, codec="none", replicas=2, elements=ELEMENTS):
+    setting = choose(Measured(step_s, sync_s, "none", elements, replicas), free, fragments, overlap, codec, 30)
+    return setting.interval, setting.fragments, setting.overlap, setting.codec
+
+
+@pytest.mark.parametrize(
+    "step_s, sync_s, expected",
+    [
+        # A fast link: full precision fits in a step, H as short as 10% of the time allows.
+        (0.045, 0.02, (4, 1, 1, "none")),
+        (0.5, 0.05, (1, 1, 1, "none")),
+        # bf16 halves a sync just over a step; int8 quarters one of three steps. Two fragments of under half a
+        # step each; H = 7 keeps 0.076 s of syncs within 10% of 7 steps and a sync.
+        (0.1, 0.15, (7, 2, 1, "bf16")),
+        (0.1, 0.3, (7, 2, 1, "int8")),
+        # 500 Mbit/s on the text task: fp4 under a step, in two fragments of under half a step.
+        (0.045, 0.2, (6, 2, 1, "fp4")),
+        # 100 Mbit/s: fp4 still over a step; the most fragments, and H at its quality cap rather than longer.
+        (0.045, 0.8, (H_CAP, 4, 1, "fp4")),
+        (0.01, 5.0, (H_CAP, 4, 1, "fp4")),
+        # No step time measured: the cap, never an unbounded interval.
+        (0.0, 0.5, (H_CAP, 4, 1, "fp4")),
+    ],
+)
+def test_auto_picks_the_least_lossy_codec_that_fits_a_step_and_caps_h(step_s, sync_s, expected):
+    assert _choose(step_s, sync_s) == expected
+
+
+def test_auto_keeps_the_options_the_user_set():
+    # Codec set: fragments and overlap are still picked, from that codec's sync.
+    free = ALL - {"outer_compression"}
+    assert _choose(0.045, 0.8, free, codec="int8") == (H_CAP, 4, 1, "int8")
+    assert _choose(0.045, 0.2, free, codec="bf16") == (H_CAP, 4, 1, "bf16")
+    # Fragments set: kept, and H is at least one step per fragment.
+    assert _choose(0.5, 0.05, ALL - {"sync_fragments"}, fragments=3) == (3, 3, 1, "none")
+    # Overlap set: kept, H at least it.
+    assert _choose(0.5, 0.05, ALL - {"sync_overlap"}, overlap=2) == (2, 1, 2, "none")
+    # Everything set: only H is auto's.
+    assert _choose(0.045, 0.8, frozenset(), 2, 1, "fp4") == (H_CAP, 2, 1, "fp4")
+
+
+def test_options_left_at_their_defaults_are_auto_s_to_pick():
+    config = Config.resolve(env={}, sync_every="auto")
+    assert left_to_auto(config) == ALL
+    config = Config.resolve(env={}, sync_every="auto", sync_fragments=2, outer_compression="int8")
+    assert left_to_auto(config) == {"sync_overlap"}
+    assert left_to_auto(Config.resolve(env={"TRAINACCEL_SYNC_OVERLAP": "1"}, sync_every="auto")) == ALL - {
+        "sync_overlap"
+    }
+    assert all(getattr(Config.resolve(env={}), option) == default for option, default in PICKED.items())
+
+
+def test_a_gathered_codec_is_not_picked_where_it_sends_more_than_bf16():
+    # 32 replicas: every other replica's fp4 payload outweighs a bf16 allreduce.
+    assert received_bytes("fp4", ELEMENTS, 32) > received_bytes("bf16", ELEMENTS, 32)
+    assert _choose(0.045, 0.8, replicas=32)[3] == "bf16"
+
+
+def test_later_rounds_rechoose_h_only_and_say_why():
+    first = choose(Measured(0.045, 0.2, "none", ELEMENTS, 2), ALL, 1, 0, "none", 30)
+    assert first.interval == 6
+    cheaper = rechoose(first, 0.045, 0.001)
+    assert (cheaper.fragments, cheaper.overlap, cheaper.codec) == (first.fragments, first.overlap, first.codec)
+    assert cheaper.interval == 2  # at least a step per fragment
+    assert rechoose(first, 0.045, 0.01).interval == 5  # down only as far as keeps syncs within 5% of the time
+    assert rechoose(first, 0.045, 0.025) is first  # H = 5 would keep 10%, not 5%: no change, nothing said
+    assert rechoose(first, 0.045, 0.04).interval == 8  # up as soon as syncs take more than 10%
+    assert rechoose(first, 0.045, 1.0).interval == H_CAP
+    line = first.line(frozenset({"outer_compression"}))
+    assert line.startswith("sync_every=auto: H=6, 2 fragments, overlap 1, fp4 (set) (step 0.045 s, ")
+    assert "\n" not in line and "at 37 MB/s" in line
+
+
+SCRIPT = """
+import json, sys, time
+
+import torch
+import torch.distributed as dist
+
+from trainaccel.comm import DiLoCo
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+diloco = DiLoCo(model, optimizer, sync_every="auto", **json.loads(sys.argv[2]))
+for step in range(1, 31):
+    time.sleep(0.01 * (1 + 2 * rank))  # rank 1 steps slower: every rank decides from the same figures anyway
+    model(torch.randn(8, 256, generator=torch.Generator().manual_seed(rank * 100 + step))).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 20:
+        saved = diloco.state_dict()
+diloco.sync()
+resumed = DiLoCo(model, optimizer, sync_every="auto", **json.loads(sys.argv[2]))  # a new run from the checkpoint
+resumed.load_state_dict(saved)
+outer = diloco.outer
+result = {
+    "setting": [outer.interval, len(outer.fragments), outer.overlap, outer._codec.name],
+    "resumed": [resumed.outer.interval, len(resumed.outer.fragments), resumed.outer.overlap, resumed.outer._codec.name],
+    "syncs": outer.syncs,
+    "params": [float(p.double().sum()) for p in model.parameters()],
+}
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("options", [{}, {"sync_fragments": 2}])
+def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, options):
+    script = tmp_path / "auto.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = run(
+        [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, script, tmp_path, json.dumps(options)],
+        env={"TRAINACCEL_LOG_LEVEL": "info"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert first["setting"] == second["setting"] and first["syncs"] == second["syncs"] >= 3
+    assert first["params"] == second["params"]  # sync() averaged them: the same bits
+    interval, fragments, overlap, _ = first["setting"]
+    assert overlap == 1 and 1 <= fragments <= 4 and fragments <= interval <= H_CAP
+    if options:
+        assert fragments == 2
+    assert first["resumed"][1:] == first["setting"][1:]  # the checkpoint's fragments, overlap and codec
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
+    first_choice = [line for line in said if "full-precision sync" in line]
+    assert len(first_choice) == 1, said  # once, from rank 0
+    assert len(said) == len(set(said)), said  # each change said once
+    if options:
+        assert "2 fragments (set)" in first_choice[0]
