@@ -177,12 +177,37 @@ def test_lose_names_an_arm_that_goes_on_a_node_other_than_the_first_and_a_step(l
     from trainaccel.bench.quality import parse_losses
 
     arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "same": {"sync_every": "4"}}
-    args = Namespace(lose=[lose], steps=300)
+    args = Namespace(lose=[lose], steps=300, rejoin=[])
     if message is None:
         assert parse_losses(args, arms, nodes=3) == {"lost": (2, 100)}
         return
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_losses(args, arms, nodes=3)
+
+
+def test_rejoin_names_an_arm_that_loses_a_node():
+    from argparse import Namespace
+
+    from trainaccel.bench.quality import parse_losses
+
+    arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "other": {"sync_every": "4"}}
+    assert parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["lost"]), arms, nodes=3) == {"lost": (2, 9)}
+    with pytest.raises(
+        ValueError, match=re.escape("invalid --rejoin 'other'; accepted: an arm given to --lose (lost)")
+    ):
+        parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["other"]), arms, nodes=3)
+
+
+@pytest.mark.multiprocess
+def test_run_together_starts_a_lost_node_again_once_and_needs_it_to_succeed(tmp_path):
+    from trainaccel.launch.local import run_together
+
+    ok = [sys.executable, "-c", "import time; time.sleep(1)"]
+    # Fails at its first start, succeeds at its second (the marker file tells them apart).
+    once = [sys.executable, "-c", "import os, sys; p = sys.argv[1]; os.path.exists(p) or open(p, 'w') and exit(9)"]
+    assert run_together([ok, [*once, str(tmp_path / "a")]], may_fail=(1,), restart=(1,)) == (0, None)
+    always = [sys.executable, "-c", "raise SystemExit(7)"]
+    assert run_together([ok, always], may_fail=(1,), restart=(1,)) == (7, 1)  # its second start failed too
 
 
 @pytest.mark.multiprocess

@@ -31,12 +31,14 @@ def run_workers(
     cluster: EmulatedCluster | None = None,
     port: int = 29500,
     lost_node: int | None = None,
+    rejoin: bool = False,
 ) -> dict:
     """Run `launcher ... worker` to completion and return the JSON its rank 0 wrote to `out`.
 
     Without a cluster: `--standalone` on this machine. With one: a torchrun per node inside
     its namespace, static rendezvous on node 0, Gloo bound to the node's shaped interface.
-    `lost_node`: a node whose workers end themselves on purpose (the others' result is the run's).
+    `lost_node`: a node whose workers end themselves on purpose (the others' result is the run's); `rejoin`: its
+    launcher is started again once it ended, and its second start must succeed.
     """
     if cluster is None:
         return run_job(name, [*launcher, "--standalone", f"--nproc-per-node={nproc_per_node}", *worker], out, env)
@@ -57,7 +59,8 @@ def run_workers(
     node_env = {**(env or {}), "GLOO_SOCKET_IFNAME": IFACE}
     logs = [out.with_suffix(f".node{node}.log") for node in range(emulation.nodes)]
     lost = () if lost_node is None else (lost_node,)
-    code, failed = run_together(commands, [node_env] * len(commands), logs, may_fail=lost)
+    restart = lost if rejoin else ()
+    code, failed = run_together(commands, [node_env] * len(commands), logs, may_fail=lost, restart=restart)
     if failed is not None or not out.exists():
         tail = "\n".join(logs[failed or 0].read_text().splitlines()[-30:])
         raise RuntimeError(f"{name} failed on node {failed} (exit {code}):\n{tail}")

@@ -66,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="in arm ARM, node NODE's workers are killed (SIGKILL) before step STEP, e.g. 'continue:2@100' with "
         "--variant continue:sync_every=auto,on_lost_replica=continue (repeatable; needs --emulate)",
     )
+    parser.add_argument(
+        "--rejoin",
+        action="append",
+        default=[],
+        metavar="ARM",
+        help="in arm ARM (one with --lose), the lost node's trainaccel run is started again as soon as it ended: "
+        "its worker rejoins the others at their next round's end; every replica's final parameters are compared "
+        "(repeatable)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results, loss curves included, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the validation loss curves (needs trainaccel[plot])")
     Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
@@ -101,6 +110,11 @@ def parse_losses(args: argparse.Namespace, arm_options: dict[str, dict[str, str]
                 "on_lost_replica=continue (and sync_every) among its options"
             )
         losses[arm] = (int(node), int(step))
+    for arm in args.rejoin:
+        if arm not in losses:
+            raise ValueError(
+                f"invalid --rejoin {arm!r}; accepted: an arm given to --lose ({', '.join(losses) or 'none'})"
+            )
     return losses
 
 
@@ -113,6 +127,7 @@ def _run_arm(
     port: int,
     seed: int,
     loss: tuple[int, int] | None = None,
+    rejoin: bool = False,
 ) -> dict:
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
@@ -132,7 +147,7 @@ def _run_arm(
     if loss is not None:
         worker += [f"--lose-node={loss[0]}", f"--lose-at={loss[1]}"]
     lost_node = None if loss is None else loss[0]
-    return run_workers(
+    result = run_workers(
         f"arm {arm}",
         launcher,
         worker,
@@ -142,7 +157,13 @@ def _run_arm(
         cluster=cluster,
         port=port,
         lost_node=lost_node,
+        rejoin=rejoin,
     )
+    if loss is not None:  # every replica's end: equal, for those present at the last sync
+        ends = [json.loads(path.read_text()) for path in sorted(out.parent.glob(f"{out.name}.rank*"))]
+        result["replicas"] = ends
+        result["replicas_equal"] = len({e["parameters_sha256"] for e in ends}) == 1
+    return result
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -167,6 +188,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "parameters": results[-1]["parameters"],
             "curves": [r["curve"] for r in results],
         }
+        if any("replicas_equal" in r for r in results):  # a node lost: did every replica at the end end equal?
+            entry["replicas_equal"] = all(r.get("replicas_equal") for r in results)
+            entry["replicas"] = [r.get("replicas", []) for r in results]
         if any(r.get("auto_settings") for r in results):
             entry["auto_settings"] = [r.get("auto_settings", []) for r in results]  # per repeat, as logged
         if base:
@@ -255,6 +279,7 @@ def main(args: argparse.Namespace) -> int:
             port,
             seed=repeat,
             loss=losses.get(arm),
+            rejoin=arm in args.rejoin,
         ),
         lambda result: (
             f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
@@ -271,6 +296,14 @@ def main(args: argparse.Namespace) -> int:
         + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
     )
     render(summary, title, task.metric, labels)
+    for arm, s in summary.items():
+        if "replicas" in s:
+            rejoined = sorted({e["rejoined_at"] for ends in s["replicas"] for e in ends if e["rejoined_at"]})
+            print(
+                f"{arm}: {sum(len(ends) for ends in s['replicas'])} replica end(s) over {args.repeats} repeat(s), "
+                f"{'all equal' if s['replicas_equal'] else 'NOT equal'}"
+                + (f"; rejoined at step {', '.join(map(str, rejoined))}" if rejoined else "")
+            )
     if args.plot:
         plot_quality(summary, title, args.plot)
     if args.json:

@@ -7,17 +7,21 @@ is rank 0's alone). The clock runs during training steps only, not during valida
 
 With `--lose-node N --lose-at S` the workers of node N kill themselves (SIGKILL) before step S. Under
 on_lost_replica=continue the clock is rank 0's own: the slowest worker's time would need a collective over the
-default group, which a lost worker would end.
+default group, which a lost worker would end. A worker started again to rejoin (`bench quality --rejoin`) starts its
+loop after the step it joined at, its learning-rate schedule moved on as far; with `--lose-node`, every rank writes
+`OUT.rank<R>` (the step it joined at, a digest of its final parameters) for the replicas to be compared.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 
 import argparse
+import hashlib
 import json
 import logging
 import os
 import signal
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,7 +37,7 @@ from trainaccel.bench.worker import (
     set_up_arm,
     start_process_group,
 )
-from trainaccel.comm import bytes_sent, sync_replicas
+from trainaccel.comm import bytes_sent, rejoined_at, sync_replicas
 from trainaccel.context import current_config
 
 
@@ -76,6 +80,11 @@ def main() -> None:
     optimizer = scaled(task.optimizer(list(model.parameters())))  # loss scaling if trainaccel's amp=fp16
     schedule = warmup_cosine(optimizer, args.steps)
     draw = task.batches(train, args.batch_size, seed=args.seed * 1000 + rank)
+    first = rejoined_at(model)  # 0, or the step this worker, started again, rejoined the others at
+    with warnings.catch_warnings():  # (torch warns of a schedule stepped before its optimizer)
+        warnings.simplefilter("ignore")
+        for _ in range(first):
+            schedule.step()
 
     curve = []  # (step, seconds of training so far, validation loss, validation accuracy)
     elapsed, started = 0.0, 0.0
@@ -108,10 +117,10 @@ def main() -> None:
         curve.append([step, elapsed, loss, accuracy])
 
     sent_before = bytes_sent(model)
-    curve.append([0, 0.0, *task.evaluate(model.module, validation)])
+    curve.append([first, 0.0, *task.evaluate(model.module, validation)])
     start_clock()
-    for step in range(1, args.steps + 1):
-        if lost_here and step == args.lose_at:
+    for step in range(first + 1, args.steps + 1):
+        if lost_here and step == args.lose_at and not first:
             os.kill(os.getpid(), signal.SIGKILL)  # a node lost: its worker gone without a word
         x, y = (t.to(device) for t in draw())
         loss = task.loss(model(x), y)
@@ -125,6 +134,11 @@ def main() -> None:
     train_loss = float(loss.detach())
     sent = sent_per_step(model, args.arm, sent_before, args.steps)
 
+    if args.lose_node is not None:  # every replica's end, to compare them
+        final = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
+        digest = hashlib.sha256(final.numpy().tobytes()).hexdigest()
+        with open(f"{args.out}.rank{rank}", "w") as f:
+            json.dump({"rank": rank, "rejoined_at": first, "parameters_sha256": digest}, f)
     if rank == 0:
         result = {
             "arm": args.arm,

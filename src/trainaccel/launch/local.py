@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trainaccel.config import ENV_PREFIX
 from trainaccel.launch.torchrun import TORCHRUN
@@ -36,25 +37,34 @@ def run_together(
     envs: list[dict[str, str] | None] | None = None,
     logs: list[Path] | None = None,
     may_fail: tuple[int, ...] = (),
+    restart: tuple[int, ...] = (),
 ) -> tuple[int, int | None]:
     """Run commands side by side; the first failure stops the rest (as does Ctrl-C, re-raised).
 
     Returns (exit code, index of the failed command or None). Each command gets its own
     process group, so stopping it stops everything it started. The commands at `may_fail` may end in failure
-    (a node lost on purpose): the others run on, and the result is theirs.
+    (a node lost on purpose): the others run on, and the result is theirs. Those also at `restart` are started
+    again once, as soon as they ended (a lost node started anew: its log goes on), and must then succeed.
     """
     envs = envs or [None] * len(commands)
     files = [open(path, "w") for path in logs] if logs else [None] * len(commands)
     procs: list[subprocess.Popen] = []
+    may_fail, again = set(may_fail), set(restart)
+
+    def start(command: list[str], env: dict[str, str] | None, out: Any) -> subprocess.Popen:
+        err = subprocess.STDOUT if out else None
+        return subprocess.Popen(command, env=env, start_new_session=True, stdout=out, stderr=err)
+
     try:
         for command, env, out in zip(commands, envs, files):
-            procs.append(
-                subprocess.Popen(
-                    command, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None
-                )
-            )
+            procs.append(start(command, env, out))
         while True:
             codes = [p.poll() for p in procs]
+            for i in sorted(again):
+                if codes[i] is not None:  # ended (killed on purpose): started again, this time to succeed
+                    again.discard(i)
+                    may_fail.discard(i)
+                    procs[i], codes[i] = start(commands[i], envs[i], files[i]), None
             failed = [i for i, code in enumerate(codes) if code not in (None, 0) and i not in may_fail]
             if failed:
                 stop(procs)
