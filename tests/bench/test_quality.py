@@ -169,6 +169,7 @@ def test_bad_flags_stop_before_any_worker_starts(flags, message):
         ("other:2@100", "ARM one of lost, same"),
         ("lost:2", "accepted: ARM:NODE@STEP"),
         ("same:2@100", "arm same does not go on without a lost replica"),
+        ("same:2@100 restart", None),
     ],
 )
 def test_lose_names_an_arm_that_goes_on_a_node_other_than_the_first_and_a_step(lose, message):
@@ -177,9 +178,10 @@ def test_lose_names_an_arm_that_goes_on_a_node_other_than_the_first_and_a_step(l
     from trainaccel.bench.quality import parse_losses
 
     arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "same": {"sync_every": "4"}}
-    args = Namespace(lose=[lose], steps=300, rejoin=[])
+    lose, _, restart = lose.partition(" ")
+    args = Namespace(lose=[lose], steps=300, rejoin=[], restart=["same"] if restart else [])
     if message is None:
-        assert parse_losses(args, arms, nodes=3) == {"lost": (2, 100)}
+        assert parse_losses(args, arms, nodes=3) == {lose.partition(":")[0]: (2, 100)}
         return
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_losses(args, arms, nodes=3)
@@ -191,11 +193,13 @@ def test_rejoin_names_an_arm_that_loses_a_node():
     from trainaccel.bench.quality import parse_losses
 
     arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "other": {"sync_every": "4"}}
-    assert parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["lost"]), arms, nodes=3) == {"lost": (2, 9)}
+    assert parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["lost"], restart=[]), arms, nodes=3) == {
+        "lost": (2, 9)
+    }
     with pytest.raises(
         ValueError, match=re.escape("invalid --rejoin 'other'; accepted: an arm given to --lose (lost)")
     ):
-        parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["other"]), arms, nodes=3)
+        parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["other"], restart=[]), arms, nodes=3)
 
 
 @pytest.mark.multiprocess

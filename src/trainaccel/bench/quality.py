@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from trainaccel.bench.emulate import EmulatedCluster
@@ -75,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its worker rejoins the others at their next round's end; every replica's final parameters are compared "
         "(repeatable)",
     )
+    parser.add_argument(
+        "--restart",
+        action="append",
+        default=[],
+        metavar="ARM",
+        help="in arm ARM (one with --lose and on_lost_replica=stop), the job saves a checkpoint at each validation "
+        "and every worker is started again from it after the loss (torchrun's --max-restarts 1): today's way back "
+        "(repeatable)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results, loss curves included, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the validation loss curves (needs trainaccel[plot])")
     Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
@@ -104,12 +114,17 @@ def parse_losses(args: argparse.Namespace, arm_options: dict[str, dict[str, str]
             raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
         if not 1 <= int(node) < nodes or not 1 <= int(step) <= args.steps:
             raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
-        if arm_options[arm].get("on_lost_replica") != "continue":
+        if arm_options[arm].get("on_lost_replica") != "continue" and arm not in args.restart:
             raise ValueError(
                 f"invalid --lose {text!r}: arm {arm} does not go on without a lost replica; accepted: an arm with "
-                "on_lost_replica=continue (and sync_every) among its options"
+                "on_lost_replica=continue (and sync_every) among its options, or an arm given to --restart"
             )
         losses[arm] = (int(node), int(step))
+    for arm in args.restart:
+        if arm not in losses or arm_options[arm].get("on_lost_replica") == "continue":
+            raise ValueError(
+                f"invalid --restart {arm!r}; accepted: an arm given to --lose whose on_lost_replica is stop"
+            )
     for arm in args.rejoin:
         if arm not in losses:
             raise ValueError(
@@ -128,6 +143,7 @@ def _run_arm(
     seed: int,
     loss: tuple[int, int] | None = None,
     rejoin: bool = False,
+    restart: bool = False,
 ) -> dict:
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
@@ -146,7 +162,12 @@ def _run_arm(
     ]
     if loss is not None:
         worker += [f"--lose-node={loss[0]}", f"--lose-at={loss[1]}"]
+    if restart:  # every worker started again from the job's last checkpoint after the loss
+        (checkpoint := out.with_suffix(".checkpoint")).mkdir(exist_ok=True)
+        worker.append(f"--checkpoint={checkpoint}")
+        launcher = [*launcher, "--max-restarts=1"]
     lost_node = None if loss is None else loss[0]
+    began = time.monotonic()
     result = run_workers(
         f"arm {arm}",
         launcher,
@@ -159,6 +180,7 @@ def _run_arm(
         lost_node=lost_node,
         rejoin=rejoin,
     )
+    result["wall_seconds"] = time.monotonic() - began  # start to end: restarts and validations included
     if loss is not None:  # every replica's end: equal, for those present at the last sync
         ends = [json.loads(path.read_text()) for path in sorted(out.parent.glob(f"{out.name}.rank*"))]
         result["replicas"] = ends
@@ -187,6 +209,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "comm_hook": results[-1]["comm_hook"],
             "parameters": results[-1]["parameters"],
             "curves": [r["curve"] for r in results],
+            "median_wall_seconds": statistics.median(r["wall_seconds"] for r in results),
         }
         if any("replicas_equal" in r for r in results):  # a node lost: did every replica at the end end equal?
             entry["replicas_equal"] = all(r.get("replicas_equal") for r in results)
@@ -280,6 +303,7 @@ def main(args: argparse.Namespace) -> int:
             seed=repeat,
             loss=losses.get(arm),
             rejoin=arm in args.rejoin,
+            restart=arm in args.restart,
         ),
         lambda result: (
             f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
@@ -299,10 +323,13 @@ def main(args: argparse.Namespace) -> int:
     for arm, s in summary.items():
         if "replicas" in s:
             rejoined = sorted({e["rejoined_at"] for ends in s["replicas"] for e in ends if e["rejoined_at"]})
+            resumed = sorted({e["from_step"] for ends in s["replicas"] for e in ends if not e["rejoined_at"]} - {0})
             print(
                 f"{arm}: {sum(len(ends) for ends in s['replicas'])} replica end(s) over {args.repeats} repeat(s), "
-                f"{'all equal' if s['replicas_equal'] else 'NOT equal'}"
+                f"{'all equal' if s['replicas_equal'] else 'NOT equal'}; "
+                f"{s['median_wall_seconds']:.1f} s from start to end"
                 + (f"; rejoined at step {', '.join(map(str, rejoined))}" if rejoined else "")
+                + (f"; resumed from the checkpoint of step {', '.join(map(str, resumed))}" if resumed else "")
             )
     if args.plot:
         plot_quality(summary, title, args.plot)

@@ -10,6 +10,8 @@ on_lost_replica=continue the clock is rank 0's own: the slowest worker's time wo
 default group, which a lost worker would end. A worker started again to rejoin (`bench quality --rejoin`) starts its
 loop after the step it joined at, its learning-rate schedule moved on as far; with `--lose-node`, every rank writes
 `OUT.rank<R>` (the step it joined at, a digest of its final parameters) for the replicas to be compared.
+With `--checkpoint DIR`, rank 0 saves the job (model, optimizer, schedule, curve, clock) after each validation, the
+replicas averaged, and a job started again (torchrun's --max-restarts) resumes from it: today's way back from a loss.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--lose-node", type=int, help="this node's workers kill themselves at --lose-at")
     parser.add_argument("--lose-at", type=int, help="the step before which they do")
+    parser.add_argument("--checkpoint", help="a folder: saved to after each validation, resumed from at a restart")
     args = parser.parse_args()
 
     device = start_process_group()
@@ -80,7 +83,7 @@ def main() -> None:
     optimizer = scaled(task.optimizer(list(model.parameters())))  # loss scaling if trainaccel's amp=fp16
     schedule = warmup_cosine(optimizer, args.steps)
     draw = task.batches(train, args.batch_size, seed=args.seed * 1000 + rank)
-    first = rejoined_at(model)  # 0, or the step this worker, started again, rejoined the others at
+    first = rejoined = rejoined_at(model)  # 0, or the step this worker, started again, rejoined the others at
     with warnings.catch_warnings():  # (torch warns of a schedule stepped before its optimizer)
         warnings.simplefilter("ignore")
         for _ in range(first):
@@ -96,7 +99,15 @@ def main() -> None:
         if not trainaccel_log.isEnabledFor(logging.INFO):
             trainaccel_log.setLevel(logging.INFO)
     own_clock = config is not None and config.on_lost_replica == "continue"
-    lost_here = args.lose_node is not None and int(os.environ.get("GROUP_RANK", "0")) == args.lose_node
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # a job started again loses nothing more
+    lost_here = args.lose_node is not None and int(os.environ.get("GROUP_RANK", "0")) == args.lose_node and not attempt
+    saved = os.path.join(args.checkpoint, "job.pt") if args.checkpoint else None
+    if saved and os.path.exists(saved):  # the job started again: from its last checkpoint
+        state = torch.load(saved, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        first, elapsed, curve = state["step"], state["elapsed"], state["curve"]
 
     def start_clock() -> None:
         nonlocal started
@@ -115,9 +126,15 @@ def main() -> None:
         elapsed += float(took)
         loss, accuracy = task.evaluate(model.module, validation)
         curve.append([step, elapsed, loss, accuracy])
+        if saved and rank == 0:  # the replicas were just averaged: what every rank resumes from
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+            state.update(schedule=schedule.state_dict(), elapsed=elapsed, curve=curve)
+            torch.save(state, saved + ".tmp")
+            os.replace(saved + ".tmp", saved)
 
     sent_before = bytes_sent(model)
-    curve.append([first, 0.0, *task.evaluate(model.module, validation)])
+    if not curve:
+        curve.append([first, 0.0, *task.evaluate(model.module, validation)])
     start_clock()
     for step in range(first + 1, args.steps + 1):
         if lost_here and step == args.lose_at and not first:
@@ -138,7 +155,7 @@ def main() -> None:
         final = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
         digest = hashlib.sha256(final.numpy().tobytes()).hexdigest()
         with open(f"{args.out}.rank{rank}", "w") as f:
-            json.dump({"rank": rank, "rejoined_at": first, "parameters_sha256": digest}, f)
+            json.dump({"rank": rank, "rejoined_at": rejoined, "from_step": first, "parameters_sha256": digest}, f)
     if rank == 0:
         result = {
             "arm": args.arm,
