@@ -94,6 +94,11 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
     assert "ending rank 0" not in said and "ending rank 1" not in said
+    if how == "kill":
+        for result in (first, second):
+            assert result["refused"].startswith(
+                "barrier() on the default group: it holds rank 2, which the replicas went on without at sync "
+            ), result["refused"]
 
 
 def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path):

@@ -65,7 +65,7 @@ def test_a_collective_on_another_group_passes():
         calls.append(group)
         return "done"
 
-    refused = rejoin._refused("all_reduce", all_reduce, 2)
+    refused = rejoin._refused("all_reduce", all_reduce, "it holds rank 2")
     members = object()
     assert refused(torch.ones(1), group=members) == "done" and calls == [members]
     with pytest.raises(RuntimeError, match="all_reduce"):

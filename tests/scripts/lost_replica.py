@@ -70,9 +70,15 @@ for step in range(start + 1, STEPS + 1):
     optimizer.step()
     losses.append(loss.item())
 sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
+refused = None
+if how == "kill":  # the script's own collective on the default group, which holds the lost rank: one line
+    try:
+        dist.barrier()
+    except RuntimeError as e:
+        refused = str(e)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 if how == "zero_code":
     diloco = observer_of(model).diloco
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
-    json.dump({**result, "rejoined_at": start}, f)
+    json.dump({**result, "rejoined_at": start, "refused": refused}, f)

@@ -48,6 +48,7 @@ from trainaccel.resilience.failfast import (
     read_heartbeats,
     root_store,
 )
+from trainaccel.resilience.rejoin import refuse_script_collectives
 
 log = logging.getLogger("trainaccel")
 
@@ -146,6 +147,8 @@ class Membership:
         if gone:
             reasons = "; ".join(f"rank {r}: {self._why_lost_already(r) or 'lost'}" for r in gone)
             log.warning("sync %s goes on with %d of %d replicas, without %s", name, len(members), self.size, reasons)
+            lost = ", ".join(map(str, gone))
+            refuse_script_collectives(f"it holds rank {lost}, which the replicas went on without at sync {name}")
         return members
 
     def _vote(self, name: str, ok: bool, hang_s: float | None) -> bool:

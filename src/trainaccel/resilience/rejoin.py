@@ -6,6 +6,10 @@ in the job's default process group, whose other members are many steps ahead: th
 (torch's `fake` backend: the right rank and size, no communication), and the script's own collectives on it end
 with one line naming the call. Its model and outer state come from a live replica at their next round's end
 (`Membership.join`), over a group of the members built from the job's store.
+
+The members that went on without a lost replica refuse the script's collectives on their default group alike, once
+they have lost one (`refuse_script_collectives`): the group still holds the lost process, so such a call would fail
+on a Gloo error or wait for the collective timeout.
 """
 
 from __future__ import annotations
@@ -78,11 +82,15 @@ def prepare_rejoin() -> int:
         number,
     )
     _start_stand_in_group(store, rank, int(os.environ["WORLD_SIZE"]))
+    refuse_script_collectives(
+        f"rank {rank} rejoined a running job, whose other replicas are at other steps, so its default group is a "
+        "stand-in"
+    )
     return number
 
 
 def _start_stand_in_group(store: Any, rank: int, world: int) -> None:
-    """The script's init_process_group starts the stand-in default group; its own collectives on it are refused."""
+    """The script's init_process_group starts the stand-in default group."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers torch's "fake" backend
 
     original = distributed_c10d.init_process_group
@@ -94,12 +102,20 @@ def _start_stand_in_group(store: Any, rank: int, world: int) -> None:
 
     for module in (dist, distributed_c10d):
         context.patch(module, "init_process_group", init_process_group)
+
+
+def refuse_script_collectives(why: str) -> None:
+    """From now until shutdown, the script's collectives on the default group end with one line: `why` it cannot
+    use that group (torch's and trainaccel's own calls pass)."""
+    if not context.first_time("script collectives refused"):
+        return
+    for module in (dist, distributed_c10d):
         for name in COLLECTIVES:
             if hasattr(module, name):
-                context.patch(module, name, _refused(name, getattr(module, name), rank))
+                context.patch(module, name, _refused(name, getattr(module, name), why))
 
 
-def _refused(name: str, collective: Callable[..., Any], rank: int) -> Callable[..., Any]:
+def _refused(name: str, collective: Callable[..., Any], why: str) -> Callable[..., Any]:
     """`collective`, refused with one line when the script calls it on the default group."""
     signature = inspect.signature(collective)
 
@@ -110,9 +126,8 @@ def _refused(name: str, collective: Callable[..., Any], rank: int) -> Callable[.
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
             if group is None or group is dist.group.WORLD:
                 raise RuntimeError(
-                    f"{name}() on the default group: rank {rank} rejoined a running job (on_lost_replica=continue), "
-                    "whose other replicas are at other steps, so its default group is a stand-in; under this option "
-                    "the replicas meet only in trainaccel's syncs (sync_replicas() averages them)"
+                    f"{name}() on the default group: {why}; under on_lost_replica=continue the replicas meet only in "
+                    "trainaccel's syncs (sync_replicas() averages them)"
                 )
         return collective(*args, **kwargs)
 
