@@ -9,5 +9,5 @@ FULL = "resilience_full"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Each case starts 3 emulated nodes: CI keeps a loss between syncs and the zero-code form.
+    # Each case starts 3 emulated nodes: CI keeps a loss and a rejoin, and the zero-code form.
     deselect_unless_asked(config, items, FULL, "TRAINACCEL_RESILIENCE_FULL")

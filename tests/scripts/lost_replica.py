@@ -71,7 +71,7 @@ for step in range(start + 1, STEPS + 1):
     losses.append(loss.item())
 sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
 refused = None
-if how == "kill":  # the script's own collective on the default group, which holds the lost rank: one line
+if how in ("kill", "rejoin"):  # the script's own collective on the default group, which holds the lost rank
     try:
         dist.barrier()
     except RuntimeError as e:
