@@ -31,7 +31,7 @@ WORKER_MODULE = "trainaccel.bench.quality_worker"
 TOLERANCE = 0.02
 # Arms of this bench only (run with --arms): zero-code trainaccel with these options, sync_scope as auto picks.
 OWN_ARMS = {"auto": {"sync_every": "auto"}}
-LABELS = {"auto": "auto (sync_every=auto: H, fragments, overlap, outer codec chosen)"}
+LABELS = {"auto": "auto (sync_every=auto)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
