@@ -209,8 +209,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "comm_hook": results[-1]["comm_hook"],
             "parameters": results[-1]["parameters"],
             "curves": [r["curve"] for r in results],
-            "median_wall_seconds": statistics.median(r["wall_seconds"] for r in results),
         }
+        if all("wall_seconds" in r for r in results):  # (results of an older version have none)
+            entry["median_wall_seconds"] = statistics.median(r["wall_seconds"] for r in results)
         if any("replicas_equal" in r for r in results):  # a node lost: did every replica at the end end equal?
             entry["replicas_equal"] = all(r.get("replicas_equal") for r in results)
             entry["replicas"] = [r.get("replicas", []) for r in results]
@@ -327,7 +328,7 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"{arm}: {sum(len(ends) for ends in s['replicas'])} replica end(s) over {args.repeats} repeat(s), "
                 f"{'all equal' if s['replicas_equal'] else 'NOT equal'}; "
-                f"{s['median_wall_seconds']:.1f} s from start to end"
+                f"{s.get('median_wall_seconds', float('nan')):.1f} s from start to end"
                 + (f"; rejoined at step {', '.join(map(str, rejoined))}" if rejoined else "")
                 + (f"; resumed from the checkpoint of step {', '.join(map(str, resumed))}" if resumed else "")
             )
