@@ -9,7 +9,9 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-CPU_BACKENDS = ("gloo", "mpi", "ucc")  # backends that reduce CPU tensors
+# Backends that reduce CPU tensors; "fake" is torch's stand-in without communication (a replica rejoining a running
+# job has it as its default group, and its syncs run over Gloo groups of the members).
+CPU_BACKENDS = ("gloo", "mpi", "ucc", "fake")
 
 
 def local_cuda_index(env: Mapping[str, str] | None = None) -> int | None:

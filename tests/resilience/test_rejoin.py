@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import trainaccel
 from conftest import free_port
+from trainaccel.devices import group_device
 from trainaccel.resilience import failfast, rejoin
 
 
@@ -39,6 +40,7 @@ def test_a_rank_found_lost_rejoins_with_a_stand_in_group(job_store, lost):
     assert int(job_store.get(failfast.incarnation_key(2, "trainaccel/0/"))) == 1
     dist.init_process_group("gloo")  # the script's call: no peer answers, the stand-in needs none
     assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (2, 3, "fake")
+    assert group_device() == torch.device("cpu")  # what its syncs' tensors are made on
     with pytest.raises(RuntimeError, match=r"^all_reduce\(\) on the default group: rank 2 rejoined a running job"):
         dist.all_reduce(torch.ones(1))
     with pytest.raises(RuntimeError, match=r"^barrier\(\) on the default group"):
