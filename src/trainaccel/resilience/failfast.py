@@ -61,12 +61,17 @@ def job_prefix(attempt: int | None = None) -> str:
 def lost_key(rank: int, prefix: str | None = None, incarnation: int = 0) -> str:
     """The store key saying why the other replicas went on without `rank`'s `incarnation` (on_lost_replica=continue);
     each incarnation of a rank started again to rejoin has its own."""
-    return f"{job_prefix() if prefix is None else prefix}lost/{rank}{f'.{incarnation}' if incarnation else ''}"
+    return _start_key("lost", rank, prefix, incarnation)
 
 
 def left_key(rank: int, prefix: str | None = None, incarnation: int = 0) -> str:
     """The store key a worker (`rank`'s `incarnation`) writes when it ends, whatever the cause."""
-    return f"{job_prefix() if prefix is None else prefix}left/{rank}{f'.{incarnation}' if incarnation else ''}"
+    return _start_key("left", rank, prefix, incarnation)
+
+
+def _start_key(what: str, rank: int, prefix: str | None, incarnation: int) -> str:
+    # The first start keeps the key it had before rejoining existed: `what/<rank>`; later ones `what/<rank>.<n>`.
+    return f"{job_prefix() if prefix is None else prefix}{what}/{rank}{f'.{incarnation}' if incarnation else ''}"
 
 
 def incarnation_key(rank: int, prefix: str | None = None) -> str:
@@ -82,17 +87,11 @@ def latest_incarnation(store: Any, rank: int, prefix: str | None = None) -> int:
 def departed(store: Any, prefix: str, world: int) -> int:
     """How many of a job attempt's `world` workers have ended (at exit, whatever the cause) or were left out by the
     others (each counted once: a worker left out may still end later); of a rank started again, its latest start."""
-    return len(departed_ranks(store, prefix, world))
-
-
-def departed_ranks(store: Any, prefix: str, world: int) -> list[int]:
-    """The ranks `departed` counts."""
-    gone = []
+    count = 0
     for rank in range(world):
         latest = latest_incarnation(store, rank, prefix)
-        if store.check([left_key(rank, prefix, latest)]) or store.check([lost_key(rank, prefix, latest)]):
-            gone.append(rank)
-    return gone
+        count += store.check([left_key(rank, prefix, latest)]) or store.check([lost_key(rank, prefix, latest)])
+    return count
 
 
 def incarnation() -> int:

@@ -39,7 +39,7 @@ from torch.distributed import distributed_c10d
 from trainaccel.resilience.failfast import (
     HEARTBEAT_S,
     LastChange,
-    departed_ranks,
+    departed,
     describe_failure,
     incarnation,
     job_prefix,
@@ -192,8 +192,7 @@ class Membership:
         key = f"{self._key}admitted/{self.rank}.{number}"
         others = self._world - 1
         while not self._store.check([key]):
-            gone = departed_ranks(self._store, job_prefix(), self._world)
-            if len(gone) >= others:  # (this start is not among them)
+            if departed(self._store, job_prefix(), self._world) >= others:  # (this start is not among them)
                 raise Dropped(f"rank {self.rank} could not rejoin: every other replica has ended")
             time.sleep(4 * POLL_S)
         news = json.loads(self._store.get(key))
