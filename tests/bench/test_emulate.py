@@ -49,6 +49,18 @@ def test_parse_emulate():
             parse_emulate(bad)
 
 
+@pytest.mark.parametrize(
+    "cpus,nodes,procs,threads", [(2, 2, 1, 1), (2, 3, 1, 1), (16, 2, 2, 4), (16, 3, 1, 5), (1, 2, 2, 1)]
+)
+def test_each_worker_gets_its_share_of_the_cores(monkeypatch, cpus, nodes, procs, threads):
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    emulation = Emulation(nodes, procs, "1gbit")
+    assert emulation.threads_per_worker == threads
+    env = emulation.node_env({"PATH": "/bin", "GLOO_SOCKET_IFNAME": "lo"})
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "eth0"}
+    assert emulation.node_env({"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7", "the user's own setting is kept"
+
+
 def _bits_per_s(cluster: EmulatedCluster, sender_node: int, receiver_node: int, nbytes: int) -> float:
     receiver = subprocess.Popen(
         [*cluster.exec_prefix(receiver_node), sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True

@@ -34,6 +34,20 @@ class Emulation:
         value, unit = _LINK.match(self.link).groups()  # type: ignore[union-attr]
         return float(value) * _SCALE[unit]
 
+    @property
+    def threads_per_worker(self) -> int:
+        """OpenMP threads per worker: this machine's cores shared out among every node's workers.
+
+        On a real cluster each node has its cores to itself; here all nodes share this machine's, and
+        torchrun leaves a lone worker per node at all of them, so the nodes' OpenMP threads oversubscribe
+        the cores and wait on each other (3 nodes x 1 worker on 2 cores: 6 threads, steps 2-4x slower).
+        """
+        return max(1, (os.cpu_count() or 1) // (self.nodes * self.procs_per_node))
+
+    def node_env(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` for a node's launcher: Gloo on the node's shaped link, `threads_per_worker` unless env sets them."""
+        return {"OMP_NUM_THREADS": str(self.threads_per_worker), **env, "GLOO_SOCKET_IFNAME": IFACE}
+
 
 def parse_emulate(spec: str) -> Emulation:
     """`nodes=2,procs-per-node=2,link=500mbit` -> Emulation."""

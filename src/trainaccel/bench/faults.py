@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, EmulationError, why_not_emulated
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError, why_not_emulated
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.watchdog import process_stat
 
@@ -122,11 +122,11 @@ def run_fault(
     steps = at + 20 if fault == "slow" else 10**6  # a straggler's job ends on its own
     last = NODES * per_node - 1
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
-    env["GLOO_SOCKET_IFNAME"] = IFACE  # the node's own link, not the loopback its host name resolves to
     # A launcher killed with its node cannot remove its temporary folders: they go here, removed after the run.
     scratch = tempfile.TemporaryDirectory(prefix="trainaccel-faults-")
     env["TMPDIR"] = scratch.name
     with scratch, EmulatedCluster(Emulation(NODES, per_node, "1gbit"), prefix) as cluster:
+        env = cluster.emulation.node_env(env)  # Gloo on the node's own link, not the loopback its host name resolves to
         procs = []
         for node in range(NODES):
             command = [

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from trainaccel.bench.emulate import IFACE, EmulatedCluster, Emulation, EmulationError
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError
 from trainaccel.bench.progress import progress
 from trainaccel.launch.local import run_job, run_together
 
@@ -56,7 +56,7 @@ def run_workers(
         ]
         for node in range(emulation.nodes)
     ]
-    node_env = {**(env or {}), "GLOO_SOCKET_IFNAME": IFACE}
+    node_env = emulation.node_env(os.environ if env is None else env)
     logs = [out.with_suffix(f".node{node}.log") for node in range(emulation.nodes)]
     lost = () if lost_node is None else (lost_node,)
     restart = lost if rejoin else ()
@@ -153,7 +153,9 @@ def interleaved_or_exit_code(
 
 
 def describe_workers(emulation: Emulation | None, nproc_per_node: int) -> str:
-    """`2 nodes x 2 workers, link 500mbit`, or `2 workers` on this machine alone: for a table's title."""
+    """`2 nodes x 2 workers, link 500mbit, 1 thread each`, or `2 workers` on this machine alone: a table's title."""
     if emulation is None:
         return f"{nproc_per_node} workers"
-    return f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}"
+    threads = os.environ.get("OMP_NUM_THREADS", str(emulation.threads_per_worker))
+    each = f"{threads} thread{'' if threads == '1' else 's'} each"
+    return f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}, {each}"
