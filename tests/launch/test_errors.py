@@ -99,3 +99,19 @@ def test_torchruns_accepted_counts_pass(capsys, flags):
     from trainaccel.launch.run import main
 
     assert main([*flags, "--dry-run", "train.py"]) == 0
+
+
+@pytest.mark.parametrize(
+    "backend, lost, warned", [("c10d", "continue", True), ("static", "continue", False), ("c10d", "stop", False)]
+)
+def test_restarts_under_a_dynamic_rendezvous_say_that_every_node_restarts(caplog, backend, lost, warned):
+    """Under on_lost_replica=continue, torchrun's c10d rendezvous restarts the survivors too when one node restarts."""
+    from trainaccel.launch.run import main
+
+    rendezvous = ["--rdzv-backend", backend, "--rdzv-endpoint", "127.0.0.1:29400", "--nnodes", "2"]
+    options = ["--sync-every", "4", "--on-lost-replica", lost, "--max-restarts", "1"]
+    assert main([*rendezvous, *options, "--dry-run", "train.py"]) == 0
+    said = [r.getMessage() for r in caplog.records if "--max-restarts with --rdzv-backend" in r.getMessage()]
+    assert len(said) == warned
+    if warned:
+        assert said[0].startswith("--max-restarts with --rdzv-backend c10d: when a node's agent restarts its workers")

@@ -14,6 +14,7 @@ from trainaccel.bench.faults import ProcessTree
 pytestmark = pytest.mark.multiprocess
 
 NODES = 3
+REJOINS = ("rejoin", "agent")  # node 2 is started again: by the test, or by its own launcher
 DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
 
 
@@ -21,7 +22,8 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
     """The job, until both survivors' launchers ended (or DEADLINE_S); every process of every node is ended after.
     Returns the survivors' results, each node's output and each node's `trainaccel run` exit code (None: alive).
     `rejoin`: node 2 is started again once its first `trainaccel run` ended; then its result is returned too, and its
-    second start's output and exit code stand for the node."""
+    second start's output and exit code stand for the node. `agent`: node 2's `trainaccel run --max-restarts 1` starts
+    its worker again itself; its result is returned too."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
@@ -33,14 +35,15 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
                 *trainaccel_cmd(),
                 *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
                 *["--master-addr", "127.0.0.1", "--master-port", str(port)],
-                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how in ("zero_code", "rejoin") else []),
+                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how in ("zero_code", *REJOINS) else []),
+                *(["--max-restarts", "1"] if how == "agent" and node == 2 else []),
                 *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
 
     procs = [start(node, log) for node, log in enumerate(logs)]
-    waited = procs[:2] if how != "rejoin" else procs
-    results = [tmp_path / f"rank{r}.json" for r in ((0, 1) if how != "rejoin" else (0, 1, 2))]
+    waited = procs if how in REJOINS else procs[:2]
+    results = [tmp_path / f"rank{r}.json" for r in ((0, 1, 2) if how in REJOINS else (0, 1))]
     tree = ProcessTree([proc.pid for proc in procs])  # the workers too, even orphaned
     began = time.monotonic()
     try:
@@ -101,8 +104,11 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
             ), result["refused"]
 
 
-def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path):
-    (first, second, third), outputs, codes = launch(tmp_path, "rejoin")
+@pytest.mark.parametrize("how", ["rejoin", pytest.param("agent", marks=FULL)])
+def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path, how):
+    """`rejoin`: node 2's `trainaccel run` started anew with the same command; `agent`: its worker restarted by its
+    own launcher (`--max-restarts 1`, torchrun's attempt 1) while the others go on at attempt 0."""
+    (first, second, third), outputs, codes = launch(tmp_path, how)
     assert codes == [0, 0, 0], (codes, outputs[2][-3000:])
     assert first["members"] == second["members"] == third["members"] == [0, 1, 2]
     assert first["rejoined_at"] == second["rejoined_at"] == 0
@@ -117,3 +123,5 @@ def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path):
     for result in (first, second):  # the default group still holds rank 2's first start: the script's barrier
         assert result["refused"].startswith("barrier() on the default group: it holds rank 2, which the replicas went")
     assert third["refused"].startswith("barrier() on the default group: rank 2 rejoined a running job")
+    for output in outputs:  # the store's host left only once every agent had seen the end: no store call failed
+        assert "recvValue failed" not in output, output[-3000:]

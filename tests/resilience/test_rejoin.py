@@ -2,6 +2,10 @@
 incarnation and starts a stand-in default group, whose collectives called by the script end with one line; shutdown()
 undoes all of it. (The join itself, on emulated nodes: test_lost_replica.py.)"""
 
+import json
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,3 +76,66 @@ def test_a_collective_on_another_group_passes():
     assert refused(torch.ones(1), group=members) == "done" and calls == [members]
     with pytest.raises(RuntimeError, match="all_reduce"):
         refused(torch.ones(1))
+
+
+def _beat(store, rank, prefix="trainaccel/0/", at=None):
+    store.set(f"{prefix}heartbeat/{rank}", json.dumps({"time": time.time() if at is None else at, "step": 1}))
+
+
+def test_a_worker_its_agent_restarted_rejoins_the_others_earlier_attempt(job_store, monkeypatch):
+    """Node 2's agent restarted its worker (torchrun's attempt 1) while ranks 0 and 1 train on at attempt 0."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("GROUP_RANK", "2")
+    for rank in (0, 1):
+        _beat(job_store, rank)
+    job_store.set(failfast.lost_key(2, "trainaccel/0/"), "killed")
+    assert rejoin.prepare_rejoin() == 1
+    assert failfast.job_prefix() == "trainaccel/0/" and failfast.own_attempt() == 1  # the others' keys, from now
+    assert job_store.get(failfast.rejoined_attempt_key(1, 2)) == b"0"  # for its agent's exit barrier
+    assert int(job_store.get(failfast.incarnation_key(2, "trainaccel/0/"))) == 1
+    trainaccel.shutdown()
+    assert failfast.job_prefix() == "trainaccel/1/"
+
+
+def test_a_restarted_worker_waits_for_the_others_to_drop_its_last_start(job_store, monkeypatch):
+    """Its agent was quicker than the others' next sync: it waits for their verdict, then rejoins."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _beat(job_store, 2, at=time.time() - 1)  # its last start's last beat
+    for rank in (0, 1):
+        _beat(job_store, rank)
+
+    def the_others_sync():
+        for _ in range(3):
+            time.sleep(0.5)
+            for rank in (0, 1):
+                _beat(job_store, rank)  # they train on
+        job_store.set(failfast.lost_key(2, "trainaccel/0/"), "no heartbeat")
+
+    threading.Thread(target=the_others_sync, daemon=True).start()
+    assert rejoin.prepare_rejoin() == 1 and failfast.job_prefix() == "trainaccel/0/"
+
+
+def test_a_wholly_restarted_job_starts_afresh(job_store, monkeypatch):
+    """Every node's agent restarted its workers: the last attempt's heartbeats stand still, so no job is rejoined."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(rejoin, "STILL_S", 0.5)
+    for rank in (0, 1, 2):
+        _beat(job_store, rank)
+    assert rejoin.prepare_rejoin() == 0
+    assert failfast.job_prefix() == "trainaccel/1/"
+
+
+def test_a_second_start_of_a_rank_still_training_ends_with_one_line(job_store):
+    for rank in (0, 1, 2):
+        _beat(job_store, rank)
+
+    def everyone_trains_on():
+        for _ in range(20):
+            time.sleep(0.3)
+            for rank in (0, 1, 2):
+                _beat(job_store, rank)
+
+    threading.Thread(target=everyone_trains_on, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"^rank 2 is already training in this job \(its heartbeat goes on\)"):
+        rejoin.prepare_rejoin()
+    assert failfast.incarnation() == 0

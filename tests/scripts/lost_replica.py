@@ -6,7 +6,8 @@ How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an except
 before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
 (SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `rejoin` (SIGKILL,
 then the test starts node 2 again: that start rejoins, takes the model at the next sync and trains to the end; the
-others wait at step 40 until it has asked to join, so that they are still training when it comes).
+others wait at step 40 until it has asked to join, so that they are still training when it comes), `agent` (as
+`rejoin`, but node 2's own `trainaccel run --max-restarts 1` starts its worker again).
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -27,7 +28,8 @@ from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
-STEPS, EVERY, LOSE_AT = (48 if how == "rejoin" else 24), 4, 9
+REJOINS = how in ("rejoin", "agent")
+STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -53,11 +55,11 @@ data = torch.Generator().manual_seed(rank)
 losses = []
 start = rejoined_at(model)  # 0, or for node 2's second start the step it rejoined at
 for step in range(start + 1, STEPS + 1):
-    if how == "rejoin" and rank != 2 and step == 40:
+    if REJOINS and rank != 2 and step == 40:
         store, waited = failfast.root_store(distributed_c10d._get_default_store()), time.monotonic()
         while not store.check([f"{failfast.job_prefix()}members/join/2"]) and time.monotonic() - waited < 60:
             time.sleep(0.1)
-    if rank == 2 and step == LOSE_AT and how in ("kill", "auto", "zero_code", "rejoin"):
+    if rank == 2 and step == LOSE_AT and how in ("kill", "auto", "zero_code", "rejoin", "agent"):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2 and step == LOSE_AT and how == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -71,7 +73,7 @@ for step in range(start + 1, STEPS + 1):
     losses.append(loss.item())
 sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
 refused = None
-if how in ("kill", "rejoin"):  # the script's own collective on the default group, which holds the lost rank
+if how == "kill" or REJOINS:  # the script's own collective on the default group, which holds the lost rank
     try:
         dist.barrier()
     except RuntimeError as e:

@@ -60,10 +60,19 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
         check_torchrun_flags(args)
         env = trainaccel_env(args)
-        if Config.resolve(env=env).shard != "off":
+        config = Config.resolve(env=env)
+        if config.shard != "off":
             # After its first large free, glibc keeps freed blocks below 32 MiB in its heap (a dynamic mmap
             # threshold): a sharded model's gathered blocks would stay resident. A fixed threshold gives them back.
             env["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))
+        if args.max_restarts > 0 and args.rdzv_backend != "static" and config.on_lost_replica == "continue":
+            log.warning(
+                "--max-restarts with --rdzv-backend %s: when a node's agent restarts its workers, torchrun restarts "
+                "every node's (a node joining the rendezvous), so the other replicas go back to the script's last "
+                "checkpoint instead of training on; with static rendezvous (--master-addr, --master-port) only the "
+                "failed node restarts, and its workers rejoin (on_lost_replica=continue)",
+                args.rdzv_backend,
+            )
         if args.max_restarts > 0:
             # torchrun's agent shares one store with every attempt of the workers, and torch keys a plain
             # init_process_group by nothing that changes between attempts: a restarted group can read the

@@ -48,14 +48,36 @@ _reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> w
 _published = False  # this process published the job's failure
 _survivors = False  # on_lost_replica=continue: a peer's failure, death or hang drops it at the next sync instead
 _incarnation = 0  # on_lost_replica=continue: how many times this rank was started again to rejoin (0: the first)
+_attempt: int | None = None  # a worker restarted by its agent that rejoined the others' earlier attempt: that attempt
 
 
 def job_prefix(attempt: int | None = None) -> str:
     """The prefix of a job attempt's keys in the store (heartbeats, the published failure, the membership); the
     attempt: this worker's (torchrun's restart count), or `attempt` for its launcher."""
     # Keyed by torchrun's attempt: a restarted job's store may still hold the last attempt's beats and failure.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if attempt is None else attempt
+    if attempt is None:
+        attempt = _attempt if _attempt is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"trainaccel/{attempt}/"
+
+
+def own_attempt() -> int:
+    """torchrun's restart count of this worker (its agent's attempt), whichever attempt's job it runs in."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def join_attempt(attempt: int) -> None:
+    """This process's keys are those of the job's attempt `attempt` (until shutdown), not its own restart count's: a
+    worker restarted by its node's agent that rejoins the others, still running at that attempt."""
+    global _attempt
+    if context.first_time("attempt"):
+        context.on_undo("attempt", functools.partial(globals().__setitem__, "_attempt", None))
+    _attempt = attempt
+
+
+def rejoined_attempt_key(attempt: int, node: int) -> str:
+    """The store key naming the job attempt that node `node`'s workers of torchrun attempt `attempt` rejoined, if
+    they did (their agent's exit barrier counts that attempt's workers)."""
+    return f"{job_prefix(attempt)}rejoined/{node}"
 
 
 def lost_key(rank: int, prefix: str | None = None, incarnation: int = 0) -> str:

@@ -1,7 +1,8 @@
 """A replica started again to rejoin a running job (`on_lost_replica=continue`).
 
 When a worker of a job that goes on without lost replicas starts with a rank the others have judged lost (its
-node's `trainaccel run` started again with the same command), it is that rank's next incarnation. It cannot take part
+node's `trainaccel run` started again with the same command, or its worker restarted by that launcher's agent,
+`--max-restarts`, at torchrun's next attempt while the others run on at theirs), it is that rank's next incarnation. It cannot take part
 in the job's default process group, whose other members are many steps ahead: the script's group is a stand-in
 (torch's `fake` backend: the right rank and size, no communication), and the script's own collectives on it end
 with one line naming the call. Its model and outer state come from a live replica at their next round's end
@@ -19,6 +20,7 @@ import inspect
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -31,6 +33,8 @@ from trainaccel.resilience import failfast
 log = logging.getLogger("trainaccel")
 
 STORE_CONNECT_S = 30.0
+STILL_S = 3 * failfast.HEARTBEAT_S  # no other rank's heartbeat moved for this long: their job ended
+VERDICT_POLL_S = 0.2
 # The script's collectives on the default group: a stand-in there would return this rank's own values silently.
 COLLECTIVES = (
     "all_reduce",
@@ -61,7 +65,7 @@ def prepare_rejoin() -> int:
         return failfast.incarnation()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "RANK" not in os.environ:
         return 0  # not torchrun's worker: nothing names the job's store before the group starts
-    rank = int(os.environ["RANK"])
+    rank, world, own = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), failfast.own_attempt()
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -69,11 +73,13 @@ def prepare_rejoin() -> int:
         timeout=timedelta(seconds=STORE_CONNECT_S),
         wait_for_workers=False,
     )
-    prefix = failfast.job_prefix()
-    latest = failfast.latest_incarnation(store, rank, prefix)
-    if not store.check([failfast.lost_key(rank, prefix, latest)]):
+    attempt = _running_attempt(store, rank, world, own)
+    if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt)):
         return 0
-    number = store.add(failfast.incarnation_key(rank, prefix), 1)
+    if attempt != own:  # restarted by its node's agent, the others still at their attempt: this process joins it
+        failfast.join_attempt(attempt)
+        store.set(failfast.rejoined_attempt_key(own, int(os.environ.get("GROUP_RANK", "0"))), str(attempt))
+    number = store.add(failfast.incarnation_key(rank), 1)
     failfast.become_incarnation(number)
     log.warning(
         "rank %d was lost from this job and the others went on: this process rejoins it (start %d of the rank); "
@@ -81,12 +87,62 @@ def prepare_rejoin() -> int:
         rank,
         number,
     )
-    _start_stand_in_group(store, rank, int(os.environ["WORLD_SIZE"]))
+    _start_stand_in_group(store, rank, world)
     refuse_script_collectives(
         f"rank {rank} rejoined a running job, whose other replicas are at other steps, so its default group is a "
         "stand-in"
     )
     return number
+
+
+def _running_attempt(store: Any, rank: int, world: int, own: int) -> int | None:
+    """The attempt of a job that this rank's last start belonged to and that may still run: this worker's own attempt
+    (its node's `trainaccel run` started anew), or an earlier one (its agent restarted it, `--max-restarts`, while the
+    other nodes' workers went on). None: no such job, this is a worker of a fresh (or wholly restarted) job."""
+    for attempt in range(own, -1, -1):
+        prefix = failfast.job_prefix(attempt)
+        latest = failfast.latest_incarnation(store, rank, prefix)
+        if store.check([failfast.lost_key(rank, prefix, latest)]) or set(_beats(store, world, prefix)) - {rank}:
+            return attempt
+    return None
+
+
+def _beats(store: Any, world: int, prefix: str) -> dict[int, float]:
+    """The last heartbeat's time of each rank of the job attempt at `prefix` that neither ended nor was left out.
+    (At a job's start no worker beats before every rank joined its group.)"""
+    beats = {}
+    for rank, beat in failfast.read_heartbeats(store, world, prefix).items():
+        latest = failfast.latest_incarnation(store, rank, prefix)
+        ended = [failfast.left_key(rank, prefix, latest), failfast.lost_key(rank, prefix, latest)]
+        if not any(store.check([key]) for key in ended):
+            beats[rank] = beat["time"]
+    return beats
+
+
+def _judged_lost(store: Any, rank: int, world: int, prefix: str) -> bool:
+    """Waits until the others judged this rank's last start lost (they do at their next sync: it died, hung or was
+    cut off); False once no other rank trains there (their heartbeats ended or stood still). A last start still
+    beating is this rank, alive: this second start ends with one line."""
+    latest = failfast.latest_incarnation(store, rank, prefix)
+    lost = failfast.lost_key(rank, prefix, latest)
+    first, began, said = _beats(store, world, prefix), time.monotonic(), False
+    while not store.check([lost]):
+        beats = _beats(store, world, prefix)
+        if rank in first and beats.get(rank, first[rank]) != first[rank]:
+            raise RuntimeError(
+                f"rank {rank} is already training in this job (its heartbeat goes on): this second start of it ends"
+            )
+        if not said and any(beats.get(other, time) != time for other, time in first.items() if other != rank):
+            log.warning(
+                "rank %d started again while the other replicas train on: waiting for them to drop its last start "
+                "(at their next sync), to rejoin",
+                rank,
+            )
+            said = True
+        if not set(beats) - {rank} or (not said and time.monotonic() - began > STILL_S):
+            return False  # that job ended (its workers left, or were stopped: a whole job restarted)
+        time.sleep(VERDICT_POLL_S)
+    return True
 
 
 def _start_stand_in_group(store: Any, rank: int, world: int) -> None:
