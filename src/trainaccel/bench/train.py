@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate",
         metavar="SPEC",
-        help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root)",
+        help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root); each "
+        "worker gets OMP_NUM_THREADS = cores / all workers unless it is set",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart of the arms (needs trainaccel[plot])")
