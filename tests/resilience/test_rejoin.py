@@ -82,6 +82,14 @@ def _beat(store, rank, prefix="trainaccel/0/", at=None):
     store.set(f"{prefix}heartbeat/{rank}", json.dumps({"time": time.time() if at is None else at, "step": 1}))
 
 
+def _train_on(store, ranks, beats=10, every_s=0.3):
+    """`ranks` train on: their heartbeats move."""
+    for _ in range(beats):
+        time.sleep(every_s)
+        for rank in ranks:
+            _beat(store, rank)
+
+
 def test_a_worker_its_agent_restarted_rejoins_the_others_earlier_attempt(job_store, monkeypatch):
     """Node 2's agent restarted its worker (torchrun's attempt 1) while ranks 0 and 1 train on at attempt 0."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
@@ -89,6 +97,7 @@ def test_a_worker_its_agent_restarted_rejoins_the_others_earlier_attempt(job_sto
     for rank in (0, 1):
         _beat(job_store, rank)
     job_store.set(failfast.lost_key(2, "trainaccel/0/"), "killed")
+    threading.Thread(target=_train_on, args=(job_store, (0, 1)), daemon=True).start()
     assert rejoin.prepare_rejoin() == 1
     assert failfast.job_prefix() == "trainaccel/0/" and failfast.own_attempt() == 1  # the others' keys, from now
     assert job_store.get(failfast.rejoined_attempt_key(1, 2)) == b"0"  # for its agent's exit barrier
@@ -115,12 +124,16 @@ def test_a_restarted_worker_waits_for_the_others_to_drop_its_last_start(job_stor
     assert rejoin.prepare_rejoin() == 1 and failfast.job_prefix() == "trainaccel/0/"
 
 
-def test_a_wholly_restarted_job_starts_afresh(job_store, monkeypatch):
-    """Every node's agent restarted its workers: the last attempt's heartbeats stand still, so no job is rejoined."""
+@pytest.mark.parametrize("lost_before", [False, True])
+def test_a_wholly_restarted_job_starts_afresh(job_store, monkeypatch, lost_before):
+    """Every node's agent restarted its workers: the last attempt's heartbeats stand still, so no job is rejoined,
+    even where that attempt had left this rank out before it ended."""
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setattr(rejoin, "STILL_S", 0.5)
     for rank in (0, 1, 2):
         _beat(job_store, rank)
+    if lost_before:
+        job_store.set(failfast.lost_key(2, "trainaccel/0/"), "killed")
     assert rejoin.prepare_rejoin() == 0
     assert failfast.job_prefix() == "trainaccel/1/"
 
@@ -129,13 +142,7 @@ def test_a_second_start_of_a_rank_still_training_ends_with_one_line(job_store):
     for rank in (0, 1, 2):
         _beat(job_store, rank)
 
-    def everyone_trains_on():
-        for _ in range(20):
-            time.sleep(0.3)
-            for rank in (0, 1, 2):
-                _beat(job_store, rank)
-
-    threading.Thread(target=everyone_trains_on, daemon=True).start()
+    threading.Thread(target=_train_on, args=(job_store, (0, 1, 2), 20), daemon=True).start()
     with pytest.raises(RuntimeError, match=r"^rank 2 is already training in this job \(its heartbeat goes on\)"):
         rejoin.prepare_rejoin()
     assert failfast.incarnation() == 0

@@ -2,11 +2,11 @@
 
 When a worker of a job that goes on without lost replicas starts with a rank the others have judged lost (its
 node's `trainaccel run` started again with the same command, or its worker restarted by that launcher's agent,
-`--max-restarts`, at torchrun's next attempt while the others run on at theirs), it is that rank's next incarnation. It cannot take part
-in the job's default process group, whose other members are many steps ahead: the script's group is a stand-in
-(torch's `fake` backend: the right rank and size, no communication), and the script's own collectives on it end
-with one line naming the call. Its model and outer state come from a live replica at their next round's end
-(`Membership.join`), over a group of the members built from the job's store.
+`--max-restarts`, at torchrun's next attempt while the others run on at theirs), it is that rank's next
+incarnation. It cannot take part in the job's default process group, whose other members are many steps ahead: the
+script's group is a stand-in (torch's `fake` backend: the right rank and size, no communication), and the script's
+own collectives on it end with one line naming the call. Its model and outer state come from a live replica at
+their next round's end (`Membership.join`), over a group of the members built from the job's store.
 
 The members that went on without a lost replica refuse the script's collectives on their default group alike, once
 they have lost one (`refuse_script_collectives`): the group still holds the lost process, so such a call would fail
@@ -74,7 +74,7 @@ def prepare_rejoin() -> int:
         wait_for_workers=False,
     )
     attempt = _running_attempt(store, rank, world, own)
-    if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt)):
+    if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt), attempt == own):
         return 0
     if attempt != own:  # restarted by its node's agent, the others still at their attempt: this process joins it
         failfast.join_attempt(attempt)
@@ -119,30 +119,34 @@ def _beats(store: Any, world: int, prefix: str) -> dict[int, float]:
     return beats
 
 
-def _judged_lost(store: Any, rank: int, world: int, prefix: str) -> bool:
-    """Waits until the others judged this rank's last start lost (they do at their next sync: it died, hung or was
-    cut off); False once no other rank trains there (their heartbeats ended or stood still). A last start still
-    beating is this rank, alive: this second start ends with one line."""
+def _judged_lost(store: Any, rank: int, world: int, prefix: str, own: bool) -> bool:
+    """Whether the others judged this rank's last start lost at `prefix` and train on there: waits for their verdict
+    (they give it at their next sync: it died, hung or was cut off). `own`: this worker's own attempt, where a verdict
+    suffices; at an earlier one the others must also be seen training (a heartbeat moves), not a job wholly restarted
+    since. False once no other rank trains there. A last start still beating is this rank, alive: this second start
+    ends with one line."""
     latest = failfast.latest_incarnation(store, rank, prefix)
     lost = failfast.lost_key(rank, prefix, latest)
-    first, began, said = _beats(store, world, prefix), time.monotonic(), False
-    while not store.check([lost]):
+    first, began, training, said = _beats(store, world, prefix), time.monotonic(), False, False
+    while True:
         beats = _beats(store, world, prefix)
         if rank in first and beats.get(rank, first[rank]) != first[rank]:
             raise RuntimeError(
                 f"rank {rank} is already training in this job (its heartbeat goes on): this second start of it ends"
             )
-        if not said and any(beats.get(other, time) != time for other, time in first.items() if other != rank):
+        training = training or any(beats.get(other, t) != t for other, t in first.items() if other != rank)
+        if store.check([lost]) and (own or training):
+            return True
+        if training and not said:
             log.warning(
                 "rank %d started again while the other replicas train on: waiting for them to drop its last start "
                 "(at their next sync), to rejoin",
                 rank,
             )
             said = True
-        if not set(beats) - {rank} or (not said and time.monotonic() - began > STILL_S):
+        if not set(beats) - {rank} or (not training and time.monotonic() - began > STILL_S):
             return False  # that job ended (its workers left, or were stopped: a whole job restarted)
         time.sleep(VERDICT_POLL_S)
-    return True
 
 
 def _start_stand_in_group(store: Any, rank: int, world: int) -> None:
