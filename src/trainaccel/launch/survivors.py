@@ -48,7 +48,7 @@ def _exit_barrier(agent: Any) -> None:
     world = group.workers[0].world_size if group.workers else 0
     attempt = group.spec.max_restarts - agent._remaining_restarts  # the attempt its workers started in
     jobs_store = root_store(store)
-    began, gone_at = time.monotonic(), None
+    began, gone_at, again = time.monotonic(), None, False
     try:
         rejoined = rejoined_attempt_key(attempt, group.group_rank)  # its workers rejoined an earlier attempt's job
         prefix = job_prefix(int(jobs_store.get(rejoined)) if jobs_store.check([rejoined]) else attempt)
@@ -59,8 +59,9 @@ def _exit_barrier(agent: Any) -> None:
             if world and departed(jobs_store, prefix, world) >= world:
                 # A rank started again has a live agent, a moment behind its worker's end: this agent may host the
                 # store it comes to (a closed store would cost it a C++ error at exit), so it is given that moment.
-                gone_at = gone_at or time.monotonic()
-                again = any(latest_incarnation(jobs_store, rank, prefix) for rank in range(world))
+                if gone_at is None:  # (read once: every start has ended by now)
+                    gone_at = time.monotonic()
+                    again = any(latest_incarnation(jobs_store, rank, prefix) for rank in range(world))
                 if not again or time.monotonic() - gone_at >= AGAIN_AGENT_S:
                     log.info("trainaccel run: every worker left or was left out: not waiting for lost nodes' agents")
                     return _leave(agent, jobs_store, prefix, everyone=False)

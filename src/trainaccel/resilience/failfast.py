@@ -56,7 +56,7 @@ def job_prefix(attempt: int | None = None) -> str:
     attempt: this worker's (torchrun's restart count), or `attempt` for its launcher."""
     # Keyed by torchrun's attempt: a restarted job's store may still hold the last attempt's beats and failure.
     if attempt is None:
-        attempt = _attempt if _attempt is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = _attempt if _attempt is not None else own_attempt()
     return f"trainaccel/{attempt}/"
 
 
@@ -109,11 +109,14 @@ def latest_incarnation(store: Any, rank: int, prefix: str | None = None) -> int:
 def departed(store: Any, prefix: str, world: int) -> int:
     """How many of a job attempt's `world` workers have ended (at exit, whatever the cause) or were left out by the
     others (each counted once: a worker left out may still end later); of a rank started again, its latest start."""
-    count = 0
-    for rank in range(world):
-        latest = latest_incarnation(store, rank, prefix)
-        count += store.check([left_key(rank, prefix, latest)]) or store.check([lost_key(rank, prefix, latest)])
-    return count
+    return sum(latest_start_ended(store, rank, prefix) for rank in range(world))
+
+
+def latest_start_ended(store: Any, rank: int, prefix: str) -> bool:
+    """Whether `rank`'s latest start in the job attempt at `prefix` ended (at exit, whatever the cause) or was left
+    out by the others."""
+    latest = latest_incarnation(store, rank, prefix)
+    return store.check([left_key(rank, prefix, latest)]) or store.check([lost_key(rank, prefix, latest)])
 
 
 def incarnation() -> int:

@@ -110,13 +110,8 @@ def _running_attempt(store: Any, rank: int, world: int, own: int) -> int | None:
 def _beats(store: Any, world: int, prefix: str) -> dict[int, float]:
     """The last heartbeat's time of each rank of the job attempt at `prefix` that neither ended nor was left out.
     (At a job's start no worker beats before every rank joined its group.)"""
-    beats = {}
-    for rank, beat in failfast.read_heartbeats(store, world, prefix).items():
-        latest = failfast.latest_incarnation(store, rank, prefix)
-        ended = [failfast.left_key(rank, prefix, latest), failfast.lost_key(rank, prefix, latest)]
-        if not any(store.check([key]) for key in ended):
-            beats[rank] = beat["time"]
-    return beats
+    beats = failfast.read_heartbeats(store, world, prefix)
+    return {rank: beat["time"] for rank, beat in beats.items() if not failfast.latest_start_ended(store, rank, prefix)}
 
 
 def _judged_lost(store: Any, rank: int, world: int, prefix: str, own: bool) -> bool:
@@ -127,23 +122,23 @@ def _judged_lost(store: Any, rank: int, world: int, prefix: str, own: bool) -> b
     ends with one line."""
     latest = failfast.latest_incarnation(store, rank, prefix)
     lost = failfast.lost_key(rank, prefix, latest)
-    first, began, training, said = _beats(store, world, prefix), time.monotonic(), False, False
+    first, began, training = _beats(store, world, prefix), time.monotonic(), False
     while True:
         beats = _beats(store, world, prefix)
         if rank in first and beats.get(rank, first[rank]) != first[rank]:
             raise RuntimeError(
                 f"rank {rank} is already training in this job (its heartbeat goes on): this second start of it ends"
             )
-        training = training or any(beats.get(other, t) != t for other, t in first.items() if other != rank)
-        if store.check([lost]) and (own or training):
+        seen = training or any(beats.get(other, t) != t for other, t in first.items() if other != rank)
+        if store.check([lost]) and (own or seen):
             return True
-        if training and not said:
+        if seen and not training:
             log.warning(
                 "rank %d started again while the other replicas train on: waiting for them to drop its last start "
                 "(at their next sync), to rejoin",
                 rank,
             )
-            said = True
+        training = seen
         if not set(beats) - {rank} or (not training and time.monotonic() - began > STILL_S):
             return False  # that job ended (its workers left, or were stopped: a whole job restarted)
         time.sleep(VERDICT_POLL_S)
