@@ -1,5 +1,6 @@
 """on_lost_replica=continue on 3 emulated nodes x 1 worker (`trainaccel run` per node): rank 2 is lost, the others
-train on to the end over the replicas present (scripts/lost_replica.py), and end with equal parameters."""
+train on to the end over the replicas present (scripts/lost_replica.py), and end with equal parameters; on 3 nodes x 2
+workers under sync_scope=node, node 2's two workers are lost together."""
 
 import json
 import os
@@ -15,6 +16,8 @@ pytestmark = pytest.mark.multiprocess
 
 NODES = 3
 REJOINS = ("rejoin", "agent")  # node 2 is started again: by the test, or by its own launcher
+NODE_SCOPE = ("node", "node_freeze", "node_rejoin")  # 3 nodes x 2 workers, sync_scope=node
+ZERO_CODE = ("zero_code", *NODE_SCOPE, *REJOINS)  # trainaccel run's options make the script's DDP model DiLoCo
 DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
 
 
@@ -22,9 +25,11 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
     """The job, until both survivors' launchers ended (or DEADLINE_S); every process of every node is ended after.
     Returns the survivors' results, each node's output and each node's `trainaccel run` exit code (None: alive).
     `rejoin`: node 2 is started again once its first `trainaccel run` ended; then its result is returned too, and its
-    second start's output and exit code stand for the node. `agent`: node 2's `trainaccel run --max-restarts 1` starts
+    second start's output and exit code stand for the node (`node_rejoin`: as `rejoin`, under node scope, with no
+    result: that start cannot rejoin). `agent`: node 2's `trainaccel run --max-restarts 1` starts
     its worker again itself; its result is returned too."""
     port = free_port()
+    per_node = 2 if how in NODE_SCOPE else 1
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
     procs = []
@@ -33,27 +38,30 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
         with open(log, "w") as out:
             command = [
                 *trainaccel_cmd(),
-                *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
+                *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", str(per_node)],
                 *["--master-addr", "127.0.0.1", "--master-port", str(port)],
-                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how in ("zero_code", *REJOINS) else []),
+                *(["--sync-every", "4", "--on-lost-replica", "continue"] if how in ZERO_CODE else []),
                 *(["--max-restarts", "1"] if how == "agent" and node == 2 else []),
                 *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
 
     procs = [start(node, log) for node, log in enumerate(logs)]
-    waited = procs if how in REJOINS else procs[:2]
-    results = [tmp_path / f"rank{r}.json" for r in ((0, 1, 2) if how in REJOINS else (0, 1))]
+    waited = procs if how in (*REJOINS, "node_rejoin") else procs[:2]
+    results = [tmp_path / f"rank{r}.json" for r in range(NODES if how in REJOINS else 2 * per_node)]
     tree = ProcessTree([proc.pid for proc in procs])  # the workers too, even orphaned
     began = time.monotonic()
     try:
         # The survivors' launchers end on their own: their exit barrier does not wait for the lost node's agent.
         while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
-            if how == "rejoin" and procs[2].poll() is not None and len(logs) == NODES:
-                logs.append(tmp_path / "node2-again.log")  # its first start ended (rank 2 was killed): again
-                procs[2] = start(2, logs[-1])
-                tree.roots.append(procs[2].pid)
+            if how in ("rejoin", "node_rejoin") and procs[2].poll() is not None:
+                if len(logs) == NODES:
+                    logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
+                    procs[2] = start(2, logs[-1])
+                    tree.roots.append(procs[2].pid)
+                else:
+                    (tmp_path / "again-ended").touch()
             time.sleep(0.5)
         codes = [proc.poll() for proc in procs]
     finally:
@@ -63,7 +71,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
             proc.wait(timeout=30)
     outputs = [log.read_text() for log in logs]
     assert all(r.exists() for r in results), "\n".join(o[-3000:] for o in outputs)
-    if how == "rejoin":
+    if how in ("rejoin", "node_rejoin"):
         outputs = [*outputs[:2], outputs[2] + outputs[3]]
     return [json.loads(r.read_text()) for r in results], outputs, codes
 
@@ -102,6 +110,33 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
             assert result["refused"].startswith(
                 "barrier() on the default group: it holds rank 2, which the replicas went on without at sync "
             ), result["refused"]
+
+
+@pytest.mark.parametrize(
+    "how", ["node", pytest.param("node_freeze", marks=FULL), pytest.param("node_rejoin", marks=FULL)]
+)
+def test_under_node_scope_a_nodes_workers_are_lost_together_and_the_other_nodes_end_equal(tmp_path, how):
+    """3 nodes x 2 workers, zero-code (sync_scope auto: node); rank 4 is killed (its launcher then ends rank 5) or
+    frozen (rank 5 waits in their node's gradient exchange): rank 5 is lost with it, and nodes 0 and 1 train on as two
+    replicas."""
+    results, outputs, codes = launch(tmp_path, how)
+    assert codes[:2] == [0, 0], (codes, outputs[0][-2000:])
+    assert [r["scope"] for r in results] == ["node"] * 4
+    assert [r["members"] for r in results] == [[0, 1, 2, 3]] * 4
+    assert [r["syncs"] for r in results] == [6] * 4  # every sync of the 24 steps, none skipped
+    assert all(r["params"] == results[0]["params"] for r in results)
+    assert not (tmp_path / "rank4.json").exists() and not (tmp_path / "rank5.json").exists()
+    said = outputs[0] + outputs[1]
+    assert "goes on with 2 of 3 replicas, without rank 4: " in said, said[-3000:]
+    assert "; rank 5: its node's replica is lost with rank 4\n" in said, said[-3000:]
+    if how == "node_freeze":  # alive, in its node's exchange with the frozen rank: it learns from the store
+        ending = "ending rank 5: the other replicas went on without it: its node's replica is lost with rank 4\n"
+        assert ending in outputs[2], outputs[2][-3000:]
+    if how == "node_rejoin":  # node 2 started again: each of its workers ends with one line, nothing hangs
+        assert codes[2] not in (0, None), (codes, outputs[2][-3000:])
+        for rank in (4, 5):
+            line = f"rank {rank} was lost from this job and the others went on, but a node cannot rejoin a job under "
+            assert line + "sync_scope=node yet" in outputs[2], outputs[2][-3000:]
 
 
 @pytest.mark.parametrize("how", ["rejoin", pytest.param("agent", marks=FULL)])

@@ -44,11 +44,34 @@ def test_without_a_loss_continue_syncs_as_stop_does():
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_continue_refuses_what_it_cannot_do_yet_in_one_line():
+def test_under_node_scope_a_lost_rank_takes_its_nodes_other_ranks_with_it():
+    import json
+
+    from torch.distributed import distributed_c10d
+
+    from trainaccel.resilience.membership import Membership
+
+    membership = Membership(dist.group.WORLD, timeout_s=5.0, replicas=[[0, 1], [2, 3], [4, 5]])
+    membership.members, membership._world = list(range(6)), 6  # as on 3 nodes x 2 workers
+    membership.group_replicas([[0, 1], [2, 3], [4, 5]])
+    store = failfast.root_store(distributed_c10d._get_default_store())
+    assert json.loads(store.get(failfast.replicas_key())) == [[0, 1], [2, 3], [4, 5]]  # what a rejoin checks
+    # Rank 4 lost, rank 5 present at the roll call: both out, whatever rank 5's own state.
+    assert membership._lose_replicas([0, 1, 2, 3, 5], [4]) == ([0, 1, 2, 3], [4, 5])
+    assert membership._why_lost_already(5) == "its node's replica is lost with rank 4"
+    assert membership._why_lost_already(3) is None
+    # Rank 2 lost while rank 3 has not come: rank 3 need not be waited for.
+    assert membership._lose_replicas([0, 1], [2]) == ([0, 1], [2, 3])
+    membership.group_replicas(None)  # rank scope: each rank a replica of its own
+    assert membership._lose_replicas([0, 2], [1]) == ([0, 2], [1])
+    assert membership._why_lost_already(0) is None
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_continue_under_node_scope_builds_on_one_node():
     params = [nn.Parameter(torch.ones(3))]
-    with pytest.raises(ValueError, match="on_lost_replica=continue works with sync_scope=rank only") as raised:
-        OuterSync(params, sync_every=2, scope="node", on_lost_replica="continue")
-    assert "\n" not in str(raised.value)
+    outer = OuterSync(params, sync_every=2, scope="node", on_lost_replica="continue")
+    assert outer.members == [0] and failfast.surviving()
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -1,10 +1,13 @@
 """DiLoCo under on_lost_replica=continue on 3 nodes x 1 worker: rank 2 is lost at inner step LOSE_AT, the others
-train on; each survivor writes OUT_DIR/rank{r}.json (members, syncs, its parameters, its losses).
+train on; each survivor writes OUT_DIR/rank{r}.json (members, syncs, its parameters, its losses, its scope).
 
 How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an exception: its launcher ends it),
 `freeze` (SIGSTOP: alive but frozen, its heartbeat stopped too), `mid_sync` (SIGKILL after the third sync's exchange,
 before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
-(SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `rejoin` (SIGKILL,
+(SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `node` (as
+`zero_code` on 3 nodes x 2 workers, sync_scope=node: rank 4 is killed, and node 2's other worker, rank 5, is lost
+with it: their node is one replica), `node_freeze` (as `node`, rank 4 frozen by SIGSTOP), `node_rejoin` (as `node`,
+then the test starts node 2 again, which cannot rejoin; the others wait at step 20 until that start ended), `rejoin` (SIGKILL,
 then the test starts node 2 again: that start rejoins, takes the model at the next sync and trains to the end; the
 others wait at step 40 until it has asked to join, so that they are still training when it comes), `agent` (as
 `rejoin`, but node 2's own `trainaccel run --max-restarts 1` starts its worker again).
@@ -28,8 +31,11 @@ from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
-REJOINS = how in ("rejoin", "agent")
+REJOIN = ("rejoin", "agent")
+REJOINS = how in REJOIN
 STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
+NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin")
+LOST = 4 if NODE_SCOPE else 2
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -46,7 +52,7 @@ if how == "mid_sync" and rank == 2:
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-if how == "zero_code":  # DDP as the script has it; trainaccel's options make it DiLoCo
+if how == "zero_code" or NODE_SCOPE:  # DDP as the script has it; trainaccel's options make it DiLoCo
     model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 else:
@@ -59,9 +65,13 @@ for step in range(start + 1, STEPS + 1):
         store, waited = failfast.root_store(distributed_c10d._get_default_store()), time.monotonic()
         while not store.check([f"{failfast.job_prefix()}members/join/2"]) and time.monotonic() - waited < 60:
             time.sleep(0.1)
-    if rank == 2 and step == LOSE_AT and how in ("kill", "auto", "zero_code", "rejoin", "agent"):
+    if how == "node_rejoin" and rank < 4 and step == 20:
+        waited = time.monotonic()
+        while not os.path.exists(os.path.join(out_dir, "again-ended")) and time.monotonic() - waited < 60:
+            time.sleep(0.1)
+    if rank == LOST and step == LOSE_AT and how in ("kill", "auto", "zero_code", "node", "node_rejoin", *REJOIN):
         os.kill(os.getpid(), signal.SIGKILL)
-    if rank == 2 and step == LOSE_AT and how == "freeze":
+    if rank == LOST and step == LOSE_AT and how in ("freeze", "node_freeze"):
         os.kill(os.getpid(), signal.SIGSTOP)
     if rank == 2 and step == LOSE_AT and how == "error":
         raise RuntimeError("rank 2 failed on purpose")
@@ -79,8 +89,9 @@ if how == "kill" or REJOINS:  # the script's own collective on the default group
     except RuntimeError as e:
         refused = str(e)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
-if how == "zero_code":
+if how == "zero_code" or NODE_SCOPE:
     diloco = observer_of(model).diloco
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
+    result["scope"] = diloco.outer.scope
     json.dump({**result, "rejoined_at": start, "refused": refused}, f)

@@ -45,6 +45,7 @@ from trainaccel.devices import group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
 from trainaccel.resilience.membership import Membership
+from trainaccel.resilience.rejoin import NO_NODE_REJOIN
 
 log = logging.getLogger("trainaccel")
 
@@ -175,11 +176,6 @@ class OuterSync:
             )
         if scope not in SCOPES:
             raise ValueError(f"invalid scope={scope!r}; accepted: {', '.join(SCOPES)}")
-        if config.on_lost_replica == "continue" and scope != "rank":
-            raise ValueError(
-                "on_lost_replica=continue works with sync_scope=rank only for now (under node, a node's workers "
-                "exchange at every step, which a lost worker stops): use sync_scope=rank, or on_lost_replica=stop"
-            )
         if not dist.is_initialized():
             raise RuntimeError("DiLoCo needs the process group: call init_process_group (or trainaccel.init()) first")
         self.sync_every, self.outer_optimizer = config.sync_every, config.outer_optimizer
@@ -215,12 +211,14 @@ class OuterSync:
         self._engine_group = engine_group(self.group)
         self.live_is_synced, self._synced_buffers = False, []
         self._hierarchy: HierarchicalReduce | None = None
-        self.use_scope(scope, config.hierarchical)
         self._hang_timeout = config.hang_timeout
         self._membership: Membership | None = None
         self.rejoined_at = 0
         if config.on_lost_replica == "continue":
             self._survive_lost_replicas(config)
+        self.use_scope(scope, config.hierarchical)
+        if self._membership is not None and failfast.incarnation() > 0:
+            self._rejoin()
         # The payloads are gathered across nodes only when the change goes in two levels.
         across = self._hierarchy.topology.num_nodes if self._hierarchy is not None else dist.get_world_size(self.group)
         warn_if_gathering_costs_more(configured, across, "parameter", "outer_compression")
@@ -229,6 +227,11 @@ class OuterSync:
         """Replicas per node (`node`: each node's workers hold one, its change crosses nodes once, a shard from each
         worker) or per rank (the change in two levels where `hierarchical` and the topology say so)."""
         self.scope = scope
+        if self._membership is not None:  # on_lost_replica=continue: flat, a node's workers lost together
+            self._membership.group_replicas(list(map(list, discover().nodes)) if scope == "node" else None)
+            if scope == "node":
+                info_once("on_lost_replica=continue: each of a node's workers syncs the whole change (no two levels)")
+            return
         if scope == "node":
             self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback, check=True)
             return
@@ -238,20 +241,17 @@ class OuterSync:
         )
 
     def _survive_lost_replicas(self, config: Config) -> None:
-        """on_lost_replica=continue: the syncs run over the replicas present (`Membership`), flat; a lost peer no
-        longer ends this worker."""
-        if self._hierarchy is not None:
-            info_once("on_lost_replica=continue: the syncs are flat over the replicas present (no two-level form)")
-            self._hierarchy = None
+        """on_lost_replica=continue: the syncs run over the replicas present (`Membership`), flat (no two-level form);
+        a lost peer no longer ends this worker."""
         self._membership = Membership(self._engine_group, config.collective_timeout)
         failfast.survive_lost_peers()
         self._admit_at = -1
-        if failfast.incarnation() > 0:
-            self._rejoin()
 
     def _rejoin(self) -> None:
         """This rank was started again to rejoin the running job: at the members' next round's end, a live
         replica's synced model, anchors, outer optimizers and schedule (its residuals stay its own)."""
+        if self.scope == "node":  # (resilience.rejoin refuses it first, from what the members wrote)
+            raise ValueError(NO_NODE_REJOIN)
         if self.warmup:
             raise ValueError(
                 f"a replica cannot rejoin a job under sync_warmup={self.warmup}: the warm-up's exchange would run "
@@ -512,7 +512,7 @@ class OuterSync:
         A regular sync with sync_overlap is applied `overlap` steps later; any other finishes here.
         """
         world = dist.get_world_size(self.group)
-        node = self.scope == "node"
+        node = self.scope == "node" and self._hierarchy is not None
         replicas = self._hierarchy.topology.num_nodes if node else world
         if self._membership is not None:
             replicas = world = 1  # divided by the members present when the sync runs

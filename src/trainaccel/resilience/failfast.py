@@ -96,6 +96,12 @@ def _start_key(what: str, rank: int, prefix: str | None, incarnation: int) -> st
     return f"{job_prefix() if prefix is None else prefix}{what}/{rank}{f'.{incarnation}' if incarnation else ''}"
 
 
+def replicas_key(prefix: str | None = None) -> str:
+    """The store key of the job's replicas that span several ranks (JSON lists of global ranks; [] where each rank is
+    one), written by the members under on_lost_replica=continue."""
+    return f"{job_prefix() if prefix is None else prefix}members/replicas"
+
+
 def incarnation_key(rank: int, prefix: str | None = None) -> str:
     """The store counter of `rank`'s incarnations started again to rejoin (absent: none)."""
     return f"{job_prefix() if prefix is None else prefix}incarnations/{rank}"

@@ -46,6 +46,7 @@ from trainaccel.resilience.failfast import (
     latest_incarnation,
     lost_key,
     read_heartbeats,
+    replicas_key,
     root_store,
 )
 from trainaccel.resilience.rejoin import refuse_script_collectives
@@ -77,9 +78,11 @@ class Membership:
         "_beats": "when this process last saw each rank's heartbeat change",
         "_world": "the job's size: heartbeats are read for every rank",
         "_done": "the names of the last committed sync's tries: their keys go at the next commit (all are past them)",
+        "_replica": "each rank's replica: its node under sync_scope=node (one lost rank loses its node's), else itself",
     }
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, replicas: list[list[int]] | None = None):
+        """`replicas`: as `group_replicas`'s."""
         self.members = sorted(dist.get_process_group_ranks(group))
         if len(self.members) != dist.get_world_size():
             raise ValueError(
@@ -95,6 +98,16 @@ class Membership:
         self._beats = LastChange()
         self._world = dist.get_world_size()
         self._done: list[str] = []
+        self.group_replicas(replicas)
+
+    def group_replicas(self, replicas: list[list[int]] | None) -> None:
+        """The global ranks of each replica where one spans several (a node's workers under sync_scope=node); None:
+        each rank is a replica of its own."""
+        self._replica = {rank: rank for rank in range(self._world)}
+        for ranks in replicas or []:
+            self._replica.update(dict.fromkeys(ranks, min(ranks)))
+        if incarnation() == 0:  # what a rank started again checks before it rejoins (resilience.rejoin)
+            self._store.set(replicas_key(), json.dumps(sorted(map(sorted, replicas or []))))
 
     @property
     def size(self) -> int:
@@ -146,7 +159,8 @@ class Membership:
         gone = sorted(set(self.members) - set(members))
         if gone:
             reasons = "; ".join(f"rank {r}: {self._why_lost_already(r) or 'lost'}" for r in gone)
-            log.warning("sync %s goes on with %d of %d replicas, without %s", name, len(members), self.size, reasons)
+            left, had = ({self._replica[r] for r in ranks} for ranks in (members, self.members))
+            log.warning("sync %s goes on with %d of %d replicas, without %s", name, len(left), len(had), reasons)
             lost = ", ".join(map(str, gone))
             refuse_script_collectives(f"it holds rank {lost}, which the replicas went on without at sync {name}")
         return members
@@ -257,6 +271,8 @@ class Membership:
                     beats = read_heartbeats(self._store, self._world, job_prefix())
                 if self._lost(member, beats.get(member), time.monotonic() - began, hang_s):
                     lost.append(member)
+            if lost:
+                here, lost = self._lose_replicas(here, lost)
             if len(here) + len(lost) == len(self.members):
                 self._store.compare_set(final, "", conclude(here, lost))
                 continue
@@ -284,6 +300,17 @@ class Membership:
             return False
         self._store.compare_set(self._lost_key(rank), "", why)  # the first judgment stays
         return True
+
+    def _lose_replicas(self, here: list[int], lost: list[int]) -> tuple[list[int], list[int]]:
+        """A replica of several ranks (a node's workers) is lost with any one of them: its others are judged lost
+        too, present or not (they cannot train on: their per-step exchange within the node holds the lost one)."""
+        gone = {self._replica[r]: r for r in lost}
+        for member in self.members:
+            first = gone.get(self._replica[member])
+            if member not in lost and first is not None:
+                self._store.compare_set(self._lost_key(member), "", f"its node's replica is lost with rank {first}")
+                lost.append(member)
+        return [r for r in here if r not in lost], sorted(lost)
 
     def _forget(self, names: list[str]) -> None:
         """This member's keys of the previous committed sync. Its decisions and outcomes stay, small: a member
