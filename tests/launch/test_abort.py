@@ -96,3 +96,20 @@ def test_a_published_failure_is_never_replaced():
     later = failure_record(1, "its process exited with status 1 without a Python error", host="n1")
     assert not publish_record(store, later, "trainaccel/0/")
     assert store.get("trainaccel/0/failure").decode() == __import__("json").dumps(own)
+
+
+def test_a_launcher_waits_for_its_failure_to_be_read_only_where_the_peers_read_failures(monkeypatch):
+    """Under on_lost_replica=continue (`survivors` in the heartbeat file) the peers drop the rank at their next sync
+    and count no reads: waiting for them would only delay the lost node's launcher."""
+    from trainaccel.launch.watchdog import publish_death
+    from trainaccel.resilience import failfast
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    waited = []
+    monkeypatch.setattr(failfast, "await_readers", lambda store, key, readers: waited.append((key, readers)))
+    for survivors in (False, True):
+        key = f"job-{survivors}/"
+        beat = {"rank": 2, "local_rank": 0, "world": 3, "store": ["127.0.0.1", store.port], "key": key}
+        failure = publish_death(123, {**beat, "survivors": survivors}, "its process was ended by SIGKILL", False)
+        assert failure is not None and store.check([key + "failure"])
+    assert waited == [("job-False/", 2)]

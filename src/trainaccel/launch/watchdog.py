@@ -303,7 +303,8 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
             flush=True,
         )
         return None
-    failfast.await_readers(store, key, int(beat.get("world", 1)) - 1)  # before this node's agent takes the store
+    if not beat.get("survivors"):  # (under on_lost_replica=continue the peers read no failure: they drop the rank)
+        failfast.await_readers(store, key, int(beat.get("world", 1)) - 1)  # before this node's agent takes the store
     return failure
 
 

@@ -266,7 +266,9 @@ class Heartbeat:
             temporary = f"{self._local_file}.{os.getpid()}"
             with open(temporary, "w") as f:
                 # With what its launcher needs to publish a failure for it, should it die without a word.
-                json.dump({"pid": os.getpid(), "time": time.time(), "limit_s": limit, **self._local}, f)
+                # `survivors`: the peers drop it at their next sync and read no failure (none to wait for).
+                beat = {"pid": os.getpid(), "time": time.time(), "limit_s": limit, "survivors": _survivors}
+                json.dump({**beat, **self._local}, f)
             os.replace(temporary, self._local_file)  # whole or not at all: the launcher reads it any time
         except OSError as e:
             log.debug("heartbeat file %s not written (%s)", self._local_file, e)
@@ -537,7 +539,7 @@ def linger() -> None:
     """After publishing a failure: before exiting, which may take the store with it (the node's agent ends), wait
     until every peer has read the failure, or for a beat and a half. Said and recorded first: the agent may end
     this process meanwhile."""
-    if not _published or _heartbeat is None:
+    if not _published or _heartbeat is None or _survivors:  # (under on_lost_replica=continue no peer reads it)
         return
     await_readers(_heartbeat._store, _heartbeat._key, _heartbeat.size - 1)
 
