@@ -16,6 +16,13 @@ import trainaccel
 # (test_demo_measures_every_arm, the bench commands' option tests); `pytest -m bench_full` or TRAINACCEL_BENCH_FULL=1
 # runs them too.
 BENCH_FULL = "bench_full"
+# The engine's jobs that repeat a sibling's path with one thing changed (a restart at another step, a world of 2
+# beside one of 3, sharding's other modes): CI keeps the sibling; `pytest -m comm_full` or TRAINACCEL_COMM_FULL=1.
+COMM_FULL = "comm_full"
+# Fault cases that repeat a sibling's path (each starts emulated nodes): CI keeps a rejoin (its rank lost first), a
+# zero-code node's loss, and one fault of each kind a restart follows; `pytest -m resilience_full` or
+# TRAINACCEL_RESILIENCE_FULL=1.
+RESILIENCE_FULL = "resilience_full"
 
 
 def deselect_unless_asked(config: pytest.Config, items: list[pytest.Item], marker: str, env: str) -> None:
@@ -30,6 +37,8 @@ def deselect_unless_asked(config: pytest.Config, items: list[pytest.Item], marke
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     deselect_unless_asked(config, items, BENCH_FULL, "TRAINACCEL_BENCH_FULL")
+    deselect_unless_asked(config, items, COMM_FULL, "TRAINACCEL_COMM_FULL")
+    deselect_unless_asked(config, items, RESILIENCE_FULL, "TRAINACCEL_RESILIENCE_FULL")
 
 
 # Inductor compiles in this process (older torch releases fork a pool of compile workers for it, which the

@@ -292,31 +292,31 @@ def test_parameters_unused_on_some_ranks_are_reduced_as_ddp_reduces_them(tmp_pat
     assert_same_training(read_ranks(tmp_path / "full", 2), read_ranks(tmp_path / "ddp", 2), 1e-5, [2])
 
 
-@pytest.mark.multiprocess
-def test_full_and_hybrid_on_two_nodes_train_as_ddp_and_a_hybrid_checkpoint_loads_into_ddp_at_another_size(tmp_path):
+def _sharded_on_two_nodes(tmp_path, runs) -> list[dict]:
+    """DDP's reference on 4 workers, then each of `runs` (name, env, args) on 2 emulated nodes x 2 under
+    `trainaccel run`; returns the reference's rank results."""
     script = SCRIPTS / "ddp_checkpoint.py"
-    for name in ("ddp", "full", "hybrid", "fp16", "loaded"):
+    for name in ("ddp", *(name for name, _, _ in runs)):
         (tmp_path / name).mkdir()
     proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", 4, script, tmp_path / "ddp"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = {"TRAINACCEL_SHARD_MIN_PARAMS": "1000", "TRAINACCEL_SHARD": "hybrid"}
-    checkpoint = tmp_path / "hybrid.pt"
-    runs = [
-        ("full", {"TRAINACCEL_SHARD": "full"}, ["--optimizer-first"]),  # its optimizer holds the unsharded ones
-        ("hybrid", {}, ["--save", checkpoint]),
-        ("fp16", {"TRAINACCEL_COMPRESSION": "fp16"}, []),
-    ]
     for name, extra, args in runs:
         procs = run_nodes(script, tmp_path / name, *args, launcher=[*trainaccel_cmd(), "run"], env={**env, **extra})
         for proc in procs:
             assert proc.returncode == 0, proc.stdout + proc.stderr
         if name == "fp16":  # sharded within the node ([2]), the shards summed across nodes by trainaccel
             assert "gradient shards summed across 2 replicas in fp16" in procs[0].stdout
-    reference = read_ranks(tmp_path / "ddp", 4)
-    assert_same_training(read_ranks(tmp_path / "full", 4), reference, 1e-5, [4])
+    return read_ranks(tmp_path / "ddp", 4)
+
+
+@pytest.mark.multiprocess
+def test_hybrid_on_two_nodes_trains_as_ddp_and_its_checkpoint_loads_into_ddp_at_another_size(tmp_path):
+    checkpoint = tmp_path / "hybrid.pt"
+    reference = _sharded_on_two_nodes(tmp_path, [("hybrid", {}, ["--save", checkpoint])])
     assert_same_training(read_ranks(tmp_path / "hybrid", 4), reference, 1e-5, [2, 2])  # FSDP2's own HSDP
-    # fp16 across nodes: close, not equal; AdamW moves a weight by up to lr (1e-2) a step whatever its gradient.
-    assert_same_training(read_ranks(tmp_path / "fp16", 4), reference, 2e-3, [2], params_abs=1e-2)
+    (tmp_path / "loaded").mkdir()
+    script = SCRIPTS / "ddp_checkpoint.py"
     proc = run(
         [*torchrun_cmd(), "--standalone", "--nproc-per-node", 2, script, tmp_path / "loaded", "--load", checkpoint]
         + ["--steps", 0]
@@ -324,6 +324,19 @@ def test_full_and_hybrid_on_two_nodes_train_as_ddp_and_a_hybrid_checkpoint_loads
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved = json.loads((tmp_path / "hybrid" / "rank0.json").read_text())["params"]
     assert [rank["params"] for rank in read_ranks(tmp_path / "loaded", 2)] == [saved, saved]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.comm_full  # CI: hybrid above, and full on one node (test_parameters_unused_on_some_ranks_...)
+def test_full_and_fp16_on_two_nodes_train_as_ddp(tmp_path):
+    runs = [
+        ("full", {"TRAINACCEL_SHARD": "full"}, ["--optimizer-first"]),  # its optimizer holds the unsharded ones
+        ("fp16", {"TRAINACCEL_COMPRESSION": "fp16"}, []),
+    ]
+    reference = _sharded_on_two_nodes(tmp_path, runs)
+    assert_same_training(read_ranks(tmp_path / "full", 4), reference, 1e-5, [4])
+    # fp16 across nodes: close, not equal; AdamW moves a weight by up to lr (1e-2) a step whatever its gradient.
+    assert_same_training(read_ranks(tmp_path / "fp16", 4), reference, 2e-3, [2], params_abs=1e-2)
 
 
 @pytest.mark.multiprocess

@@ -4,12 +4,6 @@ import pytest
 import torch.distributed as dist
 
 import trainaccel
-from conftest import deselect_unless_asked
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # A restarted job per cell (about 17 s each): CI keeps the cells that differ most (see test_resume.py).
-    deselect_unless_asked(config, items, "comm_full", "TRAINACCEL_COMM_FULL")
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ def launch(out_dir, compression, *args, fail=True, bucket_mb=None, warmup=2):
 
 
 # One bucket, or one per parameter (0.001 MiB): DDP's first buckets then split the parameters otherwise.
-# A warm-up of 6 exact steps: the restart (from step 4) comes during it. CI runs the split buckets and the restart
-# during the warm-up; the other cells are comm_full (pytest -m comm_full tests/comm).
+# A warm-up of 6 exact steps: the restart (from step 4) comes during it. CI runs the split buckets; the other cells
+# are comm_full (pytest -m comm_full tests/comm).
 FULL = pytest.mark.comm_full
 
 
@@ -39,7 +39,7 @@ FULL = pytest.mark.comm_full
         ("topk", 0.001, 2),
         pytest.param("randomk", 0.001, 2, marks=FULL),
         pytest.param("powersgd", None, 2, marks=FULL),
-        ("topk", None, 6),
+        pytest.param("topk", None, 6, marks=FULL),
     ],
 )
 def test_a_restarted_job_resumes_the_exact_trajectory(tmp_path, compression, bucket_mb, warmup):

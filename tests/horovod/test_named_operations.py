@@ -80,7 +80,9 @@ hvd.shutdown()
 """
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "workers", [pytest.param(2, marks=pytest.mark.comm_full), 3]
+)  # 3 splits unevenly; 2 in CI added only time
 def test_named_operations_wait_for_the_others(tmp_path, workers):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -167,7 +169,9 @@ hvd.shutdown()
 """
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "workers", [pytest.param(2, marks=pytest.mark.comm_full), 3]
+)  # 3 splits unevenly; 2 in CI added only time
 def test_names_free_after_their_operation_and_workers_stay_in_step(tmp_path, workers):
     script = tmp_path / "worker.py"
     script.write_text(REUSE)

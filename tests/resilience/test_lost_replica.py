@@ -76,14 +76,14 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
     return [json.loads(r.read_text()) for r in results], outputs, codes
 
 
-FULL = pytest.mark.resilience_full  # outside CI's subset (tests/resilience/conftest.py)
+FULL = pytest.mark.resilience_full  # outside CI's subset (tests/conftest.py)
 
 
 @pytest.mark.parametrize(
     "how",
     [
         pytest.param("kill", marks=FULL),  # CI: the rejoin case below loses rank 2 the same way first
-        "zero_code",
+        pytest.param("zero_code", marks=FULL),  # CI: the node case below is zero-code too
         pytest.param("mid_sync", marks=FULL),
         pytest.param("error", marks=FULL),
         pytest.param("freeze", marks=FULL),
