@@ -1,3 +1,4 @@
+import getpass
 import json
 import logging
 import multiprocessing.process
@@ -6,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -258,6 +260,10 @@ def children_keep_temporary_files_here(tmp_path_factory):
     """Processes started by tests write temporary files (torchrun leaves a log folder per run) under pytest's own
     temporary folder, which pytest prunes, not in /tmp."""
     with pytest.MonkeyPatch.context() as patch:
+        # Inductor's compile cache stays where torch keeps it by default (the system's temporary folder, across
+        # runs), as on a user's machine: under the moved TMPDIR every run would compile from nothing.
+        default_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(default_cache)))
         patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
         yield
 

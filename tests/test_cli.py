@@ -36,6 +36,24 @@ def test_version_and_usage():
     assert proc.returncode == 0 and proc.stdout.startswith("trainaccel 0.")
     proc = run([*trainaccel_cmd()])
     assert proc.returncode == 2 and "run" in proc.stderr and "demo" in proc.stderr
+    # Only the command named loads its module: the version, the usage and `bench -h` need no torch.
+    proc = run([sys.executable, "-c", PROBE.format('["--version"], [], ["bench", "-h"]')])
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
+    proc = run([sys.executable, "-c", PROBE.format('["bench", "quality", "-h"],')])
+    assert "--task" in proc.stdout and proc.stdout.strip().splitlines()[-1] == "['torch', 'trainaccel.bench.quality']"
+
+
+# Runs the CLI on each argv of {} in one process, then prints which of the heavy modules it loaded.
+PROBE = """
+import sys
+from trainaccel.cli import main
+for argv in ({}):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print(sorted(m for m in ("torch", "trainaccel.bench.quality") if m in sys.modules))
+"""
 
 
 @pytest.mark.multiprocess
