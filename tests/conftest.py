@@ -37,6 +37,13 @@ def deselect_unless_asked(config: pytest.Config, items: list[pytest.Item], marke
         items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
+def selected_params(request: pytest.FixtureRequest, name: str) -> set:
+    """The values of parameter `name` among the selected tests of the requesting fixture's module: a module fixture
+    that starts a job per value starts only those its tests read."""
+    here = [item for item in request.session.items if item.module is request.module and hasattr(item, "callspec")]
+    return {item.callspec.params[name] for item in here if name in item.callspec.params}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     deselect_unless_asked(config, items, BENCH_FULL, "TRAINACCEL_BENCH_FULL")
     deselect_unless_asked(config, items, COMM_FULL, "TRAINACCEL_COMM_FULL")

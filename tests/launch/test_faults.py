@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import selected_params
 from trainaccel.bench.emulate import namespaces, why_not_emulated
 from trainaccel.bench.faults import FAULTS, run_fault
 
@@ -71,8 +72,7 @@ CASES = [pytest.param(f, marks=pytest.mark.resilience_full) if f == "abort" else
 @pytest.fixture(scope="module")
 def results(request):
     before = _temporary_folders()
-    here = [item for item in request.session.items if item.module is request.module and hasattr(item, "callspec")]
-    chosen = {item.callspec.params.get("fault") for item in here}
+    chosen = selected_params(request, "fault")
     faults = [f for f in FAULTS if f in chosen or f == "slow"]  # (the straggler's test reads "slow")
     # All at once: they mostly wait (for the deadline, the store's silence, the straggler).
     with ThreadPoolExecutor(len(faults)) as pool:

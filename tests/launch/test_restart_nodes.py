@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import SCRIPTS, free_port, run_nodes, trainaccel_cmd
+from conftest import SCRIPTS, free_port, run_nodes, selected_params, trainaccel_cmd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -62,8 +62,8 @@ def _shrink_hvd(out):
 def jobs(request, tmp_path_factory):
     # All at once: the jobs mostly wait (steps of 0.3 s, the hang deadline, the watchdog, the rendezvous). Only the
     # faults of the tests selected: each job is 2 nodes' launchers and workers.
-    here = [item for item in request.session.items if item.module is request.module and hasattr(item, "callspec")]
-    faults = [fault for fault in FAULTS if any(item.callspec.params.get("fault") == fault for item in here)]
+    chosen = selected_params(request, "fault")
+    faults = [fault for fault in FAULTS if fault in chosen]
     runs = {
         **{fault: functools.partial(_job, fault=fault) for fault in [None, *faults]},
         "shrink-recipe": _shrink_recipe,
