@@ -17,7 +17,11 @@ pytestmark = pytest.mark.multiprocess
 NODES = 3
 REJOINS = ("rejoin", "agent")  # node 2 is started again: by the test, or by its own launcher
 NODE_SCOPE = ("node", "node_freeze", "node_rejoin")  # 3 nodes x 2 workers, sync_scope=node
-ZERO_CODE = ("zero_code", *NODE_SCOPE, *REJOINS)  # trainaccel run's options make the script's DDP model DiLoCo
+ZERO_CODE = ("zero_code", *NODE_SCOPE, *REJOINS)
+STARTED_AGAIN = (
+    "rejoin",
+    "node_rejoin",
+)  # node 2's trainaccel run started anew by the test once it ended  # trainaccel run's options make the script's DDP model DiLoCo
 DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
 
 
@@ -47,7 +51,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
 
     procs = [start(node, log) for node, log in enumerate(logs)]
-    waited = procs if how in (*REJOINS, "node_rejoin") else procs[:2]
+    waited = procs if how in (*REJOINS, *STARTED_AGAIN) else procs[:2]
     results = [tmp_path / f"rank{r}.json" for r in range(NODES if how in REJOINS else 2 * per_node)]
     tree = ProcessTree([proc.pid for proc in procs])  # the workers too, even orphaned
     began = time.monotonic()
@@ -55,7 +59,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
         # The survivors' launchers end on their own: their exit barrier does not wait for the lost node's agent.
         while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
-            if how in ("rejoin", "node_rejoin") and procs[2].poll() is not None:
+            if how in STARTED_AGAIN and procs[2].poll() is not None:
                 if len(logs) == NODES:
                     logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
                     procs[2] = start(2, logs[-1])
@@ -71,7 +75,7 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
             proc.wait(timeout=30)
     outputs = [log.read_text() for log in logs]
     assert all(r.exists() for r in results), "\n".join(o[-3000:] for o in outputs)
-    if how in ("rejoin", "node_rejoin"):
+    if how in STARTED_AGAIN:
         outputs = [*outputs[:2], outputs[2] + outputs[3]]
     return [json.loads(r.read_text()) for r in results], outputs, codes
 

@@ -51,7 +51,7 @@ def test_under_node_scope_a_lost_rank_takes_its_nodes_other_ranks_with_it():
 
     from trainaccel.resilience.membership import Membership
 
-    membership = Membership(dist.group.WORLD, timeout_s=5.0, replicas=[[0, 1], [2, 3], [4, 5]])
+    membership = Membership(dist.group.WORLD, timeout_s=5.0)
     membership.members, membership._world = list(range(6)), 6  # as on 3 nodes x 2 workers
     membership.group_replicas([[0, 1], [2, 3], [4, 5]])
     store = failfast.root_store(distributed_c10d._get_default_store())

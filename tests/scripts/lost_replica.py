@@ -31,8 +31,7 @@ from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
-REJOIN = ("rejoin", "agent")
-REJOINS = how in REJOIN
+REJOINS = how in ("rejoin", "agent")
 STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
 NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin")
 LOST = 4 if NODE_SCOPE else 2
@@ -69,7 +68,11 @@ for step in range(start + 1, STEPS + 1):
         waited = time.monotonic()
         while not os.path.exists(os.path.join(out_dir, "again-ended")) and time.monotonic() - waited < 60:
             time.sleep(0.1)
-    if rank == LOST and step == LOSE_AT and how in ("kill", "auto", "zero_code", "node", "node_rejoin", *REJOIN):
+    if (
+        rank == LOST
+        and step == LOSE_AT
+        and how in ("kill", "auto", "zero_code", "node", "node_rejoin", "rejoin", "agent")
+    ):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == LOST and step == LOSE_AT and how in ("freeze", "node_freeze"):
         os.kill(os.getpid(), signal.SIGSTOP)

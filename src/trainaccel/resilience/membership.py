@@ -81,8 +81,7 @@ class Membership:
         "_replica": "each rank's replica: its node under sync_scope=node (one lost rank loses its node's), else itself",
     }
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, replicas: list[list[int]] | None = None):
-        """`replicas`: as `group_replicas`'s."""
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
         self.members = sorted(dist.get_process_group_ranks(group))
         if len(self.members) != dist.get_world_size():
             raise ValueError(
@@ -98,7 +97,7 @@ class Membership:
         self._beats = LastChange()
         self._world = dist.get_world_size()
         self._done: list[str] = []
-        self.group_replicas(replicas)
+        self.group_replicas(None)  # each rank a replica, until the syncs' scope says otherwise (OuterSync.use_scope)
 
     def group_replicas(self, replicas: list[list[int]] | None) -> None:
         """The global ranks of each replica where one spans several (a node's workers under sync_scope=node); None:
