@@ -202,10 +202,12 @@ def test_amp_bf16_under_shard_is_fsdp2s_mixed_precision(one_rank):
     assert {p.grad.dtype for p in ddp.parameters()} == {torch.float32}
 
 
+@pytest.mark.parametrize("min_params", [10, 10**6], ids=["units", "one_unit"])
 @pytest.mark.parametrize("train", [True, False])
-def test_amp_bf16_under_shard_keeps_batch_norms_in_float32(one_rank, train):
-    """Cast to bf16 beside their float32 running statistics, batch norms failed in training and in evaluation."""
-    trainaccel.init(shard="full", amp="bf16", shard_min_params=10, start_process_group=False)
+def test_amp_bf16_under_shard_keeps_batch_norms_in_float32(one_rank, train, min_params):
+    """Cast to bf16 beside their float32 running statistics, batch norms failed in training and in evaluation; their
+    float32 output then failed in a layer of the enclosing unit (one_unit: every layer in the root's)."""
+    trainaccel.init(shard="full", amp="bf16", shard_min_params=min_params, start_process_group=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(288, 2)

@@ -48,6 +48,11 @@ def _check_shardable(model: Any) -> None:
             )
 
 
+def _cast_output(module: Any, inputs: Any, output: Any, dtype: torch.dtype) -> Any:
+    """A float32 batch norm's output, cast back to the mixed-precision dtype the layers after it compute in."""
+    return output.to(dtype) if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+
 def blocks(model: Any, min_params: int) -> list[tuple[str, Any]]:
     """The submodules to shard on their own, bottom-up: each holds >= `min_params` parameters no smaller block took.
 
@@ -166,6 +171,9 @@ def shard(
         ]
         for norm in norms:
             fully_shard(norm, **{**options, "mp_policy": full})
+            # Its float32 output goes on into layers computing in the policy's dtype; only a unit's own inputs are
+            # cast, so a layer sharing the enclosing unit failed on it ("mat1 and mat2 must have the same dtype").
+            norm.register_forward_hook(functools.partial(_cast_output, dtype=mp_policy.param_dtype))
         chosen = [(name, module) for name, module in chosen if all(module is not norm for norm in norms)]
     for _, module in chosen:
         fully_shard(module, **options)

@@ -134,7 +134,8 @@ class TopK:
 
     def zero_sent(self, tensor: torch.Tensor, payload: torch.Tensor, ctx: Any) -> None:
         """Zero the elements of `tensor` this payload carries (cheaper than subtracting a dense decode)."""
-        tensor[self._unpack(payload)[1]] = 0
+        # index_fill_, not `tensor[indices] = 0`: that copies the 0 from the host, a sync on a GPU
+        tensor.index_fill_(0, self._unpack(payload)[1], 0.0)
 
     def accumulate(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
         """Add the decoded payload into `out`."""
@@ -239,27 +240,30 @@ class BlockQuantized:
     # Each byte's two values (low nibble first), signs included: decoding is one table lookup per byte.
     _SIGNED = torch.cat([FP4, -FP4])
     _PAIRS = torch.stack([_SIGNED[torch.arange(256) & 15], _SIGNED[torch.arange(256) >> 4]], dim=1)
-    # Those tables on each device that used them: (_NEAREST, _PAIRS), copied there once for every instance.
-    _ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    _TOPS = torch.tensor([127.0, 6.0])  # int8's and fp4's largest codes
+    # Those tables on each device that used them: (_NEAREST, _PAIRS, _TOPS), copied there once for every instance.
+    _ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def _tables(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tables = cls._ON_DEVICE.get(device)
         if tables is None:  # two threads may both copy: either copy is right
-            tables = cls._ON_DEVICE[device] = (cls._NEAREST.to(device), cls._PAIRS.to(device))
+            tables = cls._ON_DEVICE[device] = (cls._NEAREST.to(device), cls._PAIRS.to(device), cls._TOPS.to(device))
         return tables
 
     def __init__(self, name: str):
         if name not in ("int8", "fp4"):
             raise ValueError(f"invalid block codec {name!r}; accepted: int8, fp4")
         self.name = name
-        self.top = 127.0 if name == "int8" else 6.0
+        self.top = slice(0, 1) if name == "int8" else slice(1, 2)  # its largest code in _TOPS, as a 1-element view
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
         n = tensor.numel()
         blocks = -(-n // self.BLOCK)
         x = torch.nn.functional.pad(tensor.float(), (0, blocks * self.BLOCK - n)).view(blocks, self.BLOCK)
-        scales = x.abs().amax(dim=1) / self.top
+        # Divided by a tensor on x's device: CUDA turns a division by a Python number into a product with its
+        # reciprocal, which rounds differently from the CPU's (and IEEE's) division.
+        scales = x.abs().amax(dim=1) / self._tables(x.device)[2][self.top]
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: codes 0
         # A non-finite input makes its block's scale non-finite, which is what the finiteness check reads; its codes
         # must still be valid. Zeroing what is not finite after normalising changes nothing for finite input (finite
