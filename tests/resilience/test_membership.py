@@ -68,6 +68,42 @@ def test_under_node_scope_a_lost_rank_takes_its_nodes_other_ranks_with_it():
 
 
 @pytest.mark.usefixtures("one_rank")
+def test_a_node_started_again_is_admitted_only_once_each_of_its_workers_asked():
+    from torch.distributed import distributed_c10d
+
+    from trainaccel.resilience.membership import Membership
+
+    membership = Membership(dist.group.WORLD, timeout_s=5.0)
+    membership.members, membership._world = [0, 1, 2, 3], 6  # 3 nodes x 2 workers, node 2 lost
+    membership.group_replicas([[0, 1], [2, 3], [4, 5]])
+    store = failfast.root_store(distributed_c10d._get_default_store())
+
+    def asks(rank: int) -> None:  # a start of `rank` (its incarnation 1) asks to join, as Membership.join does
+        store.add(failfast.incarnation_key(rank), 1)
+        store.set(f"{failfast.job_prefix()}members/join/{rank}", "1")
+
+    asks(4)
+    assert membership._waiting() == {}  # rank 5 has not asked: node 2 cannot train without it
+    membership.group_replicas(None)  # rank scope: rank 4 is a replica of its own
+    assert membership._waiting() == {4: 1}
+    membership.group_replicas([[0, 1], [2, 3], [4, 5]])
+    asks(5)
+    assert membership._waiting() == {4: 1, 5: 1}
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_node_started_again_takes_the_jobs_nodes_from_what_its_members_wrote():
+    from trainaccel.comm.topology import discover
+
+    failfast.become_incarnation(1, [[0, 1], [2, 3]])  # as resilience.rejoin does, from the store
+    topology = discover()  # no gather over the stand-in default group, no subgroup built on it
+    assert topology.nodes == ((0, 1), (2, 3)) and topology.node_index == 0 and topology.why_flat() is None
+    assert topology.intra_group is None
+    trainaccel.shutdown()
+    assert failfast.incarnation() == 0 and failfast.job_replicas() == []  # shutdown() undoes both
+
+
+@pytest.mark.usefixtures("one_rank")
 def test_continue_under_node_scope_builds_on_one_node():
     params = [nn.Parameter(torch.ones(3))]
     outer = OuterSync(params, sync_every=2, scope="node", on_lost_replica="continue")

@@ -6,11 +6,13 @@ How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an except
 before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
 (SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `node` (as
 `zero_code` on 3 nodes x 2 workers, sync_scope=node: rank 4 is killed, and node 2's other worker, rank 5, is lost
-with it: their node is one replica), `node_freeze` (as `node`, rank 4 frozen by SIGSTOP), `node_rejoin` (as `node`,
-then the test starts node 2 again, which cannot rejoin; the others wait at step 20 until that start ended), `rejoin` (SIGKILL,
-then the test starts node 2 again: that start rejoins, takes the model at the next sync and trains to the end; the
-others wait at step 40 until it has asked to join, so that they are still training when it comes), `agent` (as
-`rejoin`, but node 2's own `trainaccel run --max-restarts 1` starts its worker again).
+with it: their node is one replica), `node_freeze` (as `node`, rank 4 frozen by SIGSTOP), `rejoin` (SIGKILL, then the
+test starts node 2 again: that start rejoins, takes the model at the next sync and trains to the end; the others wait
+at step 40 until it has asked to join, so that they are still training when it comes), `agent` (as `rejoin`, but node
+2's own `trainaccel run --max-restarts 1` starts its worker again), `node_rejoin` (as `rejoin` under node scope: node
+2's two workers, ranks 4 and 5, rejoin together; the others wait at step 40 for both), `node_agent` (as
+`node_rejoin`, node 2's workers started again by its own `trainaccel run --max-restarts 1`). Under node scope each worker
+also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones.
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -31,10 +33,11 @@ from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
-REJOINS = how in ("rejoin", "agent")
+REJOINS = how in ("rejoin", "agent", "node_rejoin", "node_agent")
 STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
-NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin")
+NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
 LOST = 4 if NODE_SCOPE else 2
+STARTED_AGAIN = (4, 5) if NODE_SCOPE else (2,)  # the ranks of node 2
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
@@ -57,21 +60,18 @@ if how == "zero_code" or NODE_SCOPE:  # DDP as the script has it; trainaccel's o
 else:
     diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
-losses = []
+losses, live = [], None
 start = rejoined_at(model)  # 0, or for node 2's second start the step it rejoined at
 for step in range(start + 1, STEPS + 1):
-    if REJOINS and rank != 2 and step == 40:
+    if REJOINS and rank not in STARTED_AGAIN and step == 40:
         store, waited = failfast.root_store(distributed_c10d._get_default_store()), time.monotonic()
-        while not store.check([f"{failfast.job_prefix()}members/join/2"]) and time.monotonic() - waited < 60:
-            time.sleep(0.1)
-    if how == "node_rejoin" and rank < 4 and step == 20:
-        waited = time.monotonic()
-        while not os.path.exists(os.path.join(out_dir, "again-ended")) and time.monotonic() - waited < 60:
+        asked = [f"{failfast.job_prefix()}members/join/{r}" for r in STARTED_AGAIN]
+        while not store.check(asked) and time.monotonic() - waited < 60:
             time.sleep(0.1)
     if (
         rank == LOST
         and step == LOSE_AT
-        and how in ("kill", "auto", "zero_code", "node", "node_rejoin", "rejoin", "agent")
+        and how in ("kill", "auto", "zero_code", "node", "node_rejoin", "node_agent", "rejoin", "agent")
     ):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == LOST and step == LOSE_AT and how in ("freeze", "node_freeze"):
@@ -84,6 +84,8 @@ for step in range(start + 1, STEPS + 1):
     loss.backward()
     optimizer.step()
     losses.append(loss.item())
+    if step == 46:
+        live = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
 refused = None
 if how == "kill" or REJOINS:  # the script's own collective on the default group, which holds the lost rank
@@ -97,4 +99,5 @@ if how == "zero_code" or NODE_SCOPE:
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
     result["scope"] = diloco.outer.scope
+    result["live"] = live
     json.dump({**result, "rejoined_at": start, "refused": refused}, f)

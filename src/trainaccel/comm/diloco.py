@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel import context
 from trainaccel.comm.outer_sync import OuterSync, resolve
 from trainaccel.comm.scheduler import comm_thread
-from trainaccel.comm.topology import discover, node_group
+from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
 from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
@@ -139,7 +139,7 @@ class DiLoCo:
         self._in_node = None
         if scope == "node":
             self._in_node = _InNode(self.group)  # every worker during the warm-up, as plain DDP
-            node_group()  # built now, on every rank (collective): the warm-up's end switches to it
+            self.outer.node_group()  # built now, on every rank (collective): the warm-up's end switches to it
             self._average_in_node(model, config.hierarchical)
         if self._ddp is not None and not self.outer.warmup:
             self._switch_off_exchange()
@@ -446,7 +446,7 @@ class DiLoCo:
                 in_node.group = self.group  # the hook cannot be removed: it averages over every worker again
 
         if in_node is not None:
-            in_node.group = node_group()
+            in_node.group = self.outer.node_group()
         else:
             _keep_exchange_off(model, self._undo)
         model.broadcast_buffers = False

@@ -38,14 +38,13 @@ from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression, get_code
 from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
-from trainaccel.comm.topology import discover, hierarchy_for
+from trainaccel.comm.topology import discover, hierarchy_for, node_group
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
 from trainaccel.devices import group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
 from trainaccel.resilience.membership import Membership
-from trainaccel.resilience.rejoin import NO_NODE_REJOIN
 
 log = logging.getLogger("trainaccel")
 
@@ -250,8 +249,6 @@ class OuterSync:
     def _rejoin(self) -> None:
         """This rank was started again to rejoin the running job: at the members' next round's end, a live
         replica's synced model, anchors, outer optimizers and schedule (its residuals stay its own)."""
-        if self.scope == "node":  # (resilience.rejoin refuses it first, from what the members wrote)
-            raise ValueError(NO_NODE_REJOIN)
         if self.warmup:
             raise ValueError(
                 f"a replica cannot rejoin a job under sync_warmup={self.warmup}: the warm-up's exchange would run "
@@ -285,6 +282,14 @@ class OuterSync:
         if joiners:
             admit = functools.partial(self._membership.admit, f"join@{self.steps}", joiners, self._join_state)
             comm_thread().submit(functools.partial(admit, self._hang_s())).wait()
+
+    def node_group(self) -> dist.ProcessGroup | None:
+        """Under node scope, the group this node's workers average gradients over at every step: the job's node
+        group, or for a node started again to rejoin, its workers' own, built at their join (collective on first
+        call, on every rank of the job's first start)."""
+        if self._membership is not None and self._membership.replica_group is not None:
+            return self._membership.replica_group
+        return node_group()
 
     @property
     def members(self) -> list[int]:

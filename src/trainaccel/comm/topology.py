@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from trainaccel.context import warn_once
 from trainaccel.devices import backend_of
+from trainaccel.resilience import failfast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,14 @@ def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
     if _cache and _cache[0][0] is world:
         return _cache[0][1]
     rank, size = dist.get_rank(), dist.get_world_size()
+    if failfast.job_replicas():
+        # A node started again to rejoin a running job: its default group is a stand-in that gathers nothing, and
+        # builds no real subgroup. The job's nodes are as its members wrote them; its node's group is built at the
+        # join (Membership.join).
+        nodes = tuple(tuple(ranks) for ranks in failfast.job_replicas())
+        node_index = next(i for i, ranks in enumerate(nodes) if rank in ranks)
+        _cache[:] = [(world, Topology(rank, size, nodes, node_index))]
+        return _cache[0][1]
     keys: list[str] = [""] * size
     dist.all_gather_object(keys, node_key())
     nodes = group_nodes(keys)

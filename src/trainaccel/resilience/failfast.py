@@ -48,6 +48,9 @@ _reports: dict[str, Callable[[], Any]] = {}  # extra heartbeat fields: name -> w
 _published = False  # this process published the job's failure
 _survivors = False  # on_lost_replica=continue: a peer's failure, death or hang drops it at the next sync instead
 _incarnation = 0  # on_lost_replica=continue: how many times this rank was started again to rejoin (0: the first)
+# A rank started again: the running job's replicas of several ranks (its nodes under sync_scope=node), as its members
+# wrote them in the store; its own stand-in default group cannot tell.
+_job_replicas: list[list[int]] = []
 _attempt: int | None = None  # a worker restarted by its agent that rejoined the others' earlier attempt: that attempt
 
 
@@ -130,12 +133,21 @@ def incarnation() -> int:
     return _incarnation
 
 
-def become_incarnation(number: int) -> None:
-    """This process rejoins a running job as its rank's incarnation `number` (until shutdown)."""
+def become_incarnation(number: int, replicas: list[list[int]] | None = None) -> None:
+    """This process rejoins a running job as its rank's incarnation `number` (until shutdown); `replicas`: the job's
+    replicas of several ranks, as its members wrote them (`replicas_key`)."""
     global _incarnation
     if context.first_time("incarnation"):
         context.on_undo("incarnation", functools.partial(globals().__setitem__, "_incarnation", 0))
+        context.on_undo("job replicas", _job_replicas.clear)
     _incarnation = number
+    _job_replicas[:] = [list(ranks) for ranks in replicas or []]
+
+
+def job_replicas() -> list[list[int]]:
+    """A rank started again to rejoin: the running job's replicas of several ranks (its nodes under sync_scope=node),
+    as its members wrote them; [] where each rank is one, and in a worker of the job's first start."""
+    return [list(ranks) for ranks in _job_replicas]
 
 
 def set_collective_timeout(seconds: float) -> None:

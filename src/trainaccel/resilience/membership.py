@@ -19,7 +19,8 @@ started again with that rank (its node's `trainaccel run` started anew, `resilie
 incarnation. It asks to join; at the next round's end the members decide (in the store, alike) who joins, and the
 join itself runs as a sync does: roll call with the joiners, a live member's state sent to them over a group built
 for it, vote. Joins happen only there (a shrink-only membership between them), so every member meets the joiner at
-the same step. The store itself lives with the job's first node (torchrun's agent store): if that node is lost,
+the same step. A replica of several ranks (a node's workers under sync_scope=node) is lost whole and admitted whole,
+its workers' per-step group built from the store at their join. The store itself lives with the job's first node (torchrun's agent store): if that node is lost,
 every worker ends, as its heartbeat says.
 """
 
@@ -79,6 +80,8 @@ class Membership:
         "_world": "the job's size: heartbeats are read for every rank",
         "_done": "the names of the last committed sync's tries: their keys go at the next commit (all are past them)",
         "_replica": "each rank's replica: its node under sync_scope=node (one lost rank loses its node's), else itself",
+        "replica_group": "a node started again under sync_scope=node: its workers' group, built at their join (None: "
+        "the job's own node group serves, or each rank is a replica)",
     }
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float):
@@ -97,6 +100,7 @@ class Membership:
         self._beats = LastChange()
         self._world = dist.get_world_size()
         self._done: list[str] = []
+        self.replica_group: dist.ProcessGroup | None = None
         self.group_replicas(None)  # each rank a replica, until the syncs' scope says otherwise (OuterSync.use_scope)
 
     def group_replicas(self, replicas: list[list[int]] | None) -> None:
@@ -192,7 +196,8 @@ class Membership:
         news = json.dumps({"at": at, "members": members, "incarnations": incarnations, "joiners": joiners})
         for rank, number in joiners.items():
             self._store.compare_set(f"{self._key}admitted/{rank}.{number}", "", news)
-        log.info("%s: rank(s) %s rejoin the %d replicas", at, ", ".join(map(str, joiners)), self.size)
+        replicas = len({self._replica[r] for r in self.members})
+        log.info("%s: rank(s) %s rejoin the %d replicas", at, ", ".join(map(str, joiners)), replicas)
         self.members, self.incarnations = members, incarnations
         self.run(f"{at}/join", functools.partial(self._share, set(joiners), state), hang_s)
         return [r for r in joiners if r in self.members]
@@ -214,10 +219,16 @@ class Membership:
         self.group, self._group_members = None, []
         joiners = {int(r) for r in news["joiners"]}
         log.info("rank %d rejoins at %s with %d members", self.rank, news["at"], self.size)
-        return self.run(f"{news['at']}/join", functools.partial(self._share, joiners, lambda: b""), hang_s)
+        state = self.run(f"{news['at']}/join", functools.partial(self._share, joiners, lambda: b""), hang_s)
+        replica = sorted(r for r in self.members if self._replica[r] == self._replica[self.rank])
+        if len(replica) > 1:  # its node's workers, admitted together: their per-step exchange needs a real group
+            where = dist.PrefixStore(f"{self._key}groups/{news['at']}/replica{replica[0]}/", self._store)
+            self.replica_group = self._gloo_group(where, replica)
+        return state
 
     def _waiting(self) -> dict[int, int]:
-        """Ranks outside the members whose latest start asked to join and is not lost: {rank: incarnation}."""
+        """Ranks outside the members whose latest start asked to join and is not lost: {rank: incarnation}. A replica
+        of several ranks (a node's workers under sync_scope=node) joins whole: only once each of its ranks asked."""
         waiting = {}
         for rank in range(self._world):
             if rank in self.members or not self._store.check([f"{self._key}join/{rank}"]):
@@ -228,7 +239,8 @@ class Membership:
                 [lost_key(rank, job_prefix(), number)]
             ):
                 waiting[rank] = number
-        return waiting
+        whole = {self._replica[r] for r in waiting} - {self._replica[r] for r in range(self._world) if r not in waiting}
+        return {rank: number for rank, number in waiting.items() if self._replica[rank] in whole}
 
     def _share(self, joiners: set[int], state: Callable[[], bytes], group: Any, members: int) -> bytes:
         """A join's exchange: the lowest-ranked member that is not joining sends `state()` to every member."""
@@ -332,13 +344,16 @@ class Membership:
         """A fresh Gloo group over `members`, from the store (c10d's own pieces: no global group table involved)."""
         self.epoch += 1
         # Keyed by the try's name, the same on every member (a joiner's count of rebuilds is its own).
-        store = dist.PrefixStore(f"{self._key}groups/{name}/", self._store)
-        rank, size = members.index(self.rank), len(members)
-        timeout = datetime.timedelta(seconds=self.timeout)
-        backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        group = self._gloo_group(dist.PrefixStore(f"{self._key}groups/{name}/", self._store), members)
+        self.members, self.group, self._group_members = members, group, list(members)
+        log.info("sync %s: %d members, group %d", name, len(members), self.epoch)
+
+    def _gloo_group(self, store: dist.Store, ranks: list[int]) -> dist.ProcessGroup:
+        """A Gloo group over the global ranks `ranks` (this one among them), rendezvous at `store`."""
+        rank, size = ranks.index(self.rank), len(ranks)
+        backend = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
         group = dist.ProcessGroup(store, rank, size)
         group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         for device in ("cpu", "cuda"):  # Gloo takes CUDA tensors too (through host memory)
             group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
-        self.members, self.group, self._group_members = members, group, list(members)
-        log.info("sync %s: %d members, group %d", name, size, self.epoch)
+        return group

@@ -36,10 +36,6 @@ log = logging.getLogger("trainaccel")
 STORE_CONNECT_S = 30.0
 STILL_S = 3 * failfast.HEARTBEAT_S  # no other rank's heartbeat moved for this long: their job ended
 VERDICT_POLL_S = 0.2
-NO_NODE_REJOIN = (
-    "a node cannot rejoin a job under sync_scope=node yet (its workers are one replica, which would have to join as "
-    "one): the others go on without it; use sync_scope=rank for nodes that rejoin"
-)
 # The script's collectives on the default group: a stand-in there would return this rank's own values silently.
 COLLECTIVES = (
     "all_reduce",
@@ -81,14 +77,14 @@ def prepare_rejoin() -> int:
     attempt = _running_attempt(store, rank, world, own)
     if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt), attempt == own):
         return 0
+    # Under sync_scope=node, the job's nodes: this worker's node rejoins as one replica, its workers together.
     key = failfast.replicas_key(failfast.job_prefix(attempt))
-    if store.check([key]) and any(len(ranks) > 1 for ranks in json.loads(store.get(key))):
-        raise RuntimeError(f"rank {rank} was lost from this job and the others went on, but {NO_NODE_REJOIN}")
+    replicas = json.loads(store.get(key)) if store.check([key]) else []
     if attempt != own:  # restarted by its node's agent, the others still at their attempt: this process joins it
         failfast.join_attempt(attempt)
         store.set(failfast.rejoined_attempt_key(own, int(os.environ.get("GROUP_RANK", "0"))), str(attempt))
     number = store.add(failfast.incarnation_key(rank), 1)
-    failfast.become_incarnation(number)
+    failfast.become_incarnation(number, replicas)
     log.warning(
         "rank %d was lost from this job and the others went on: this process rejoins it (start %d of the rank); "
         "its model and outer state come from a live replica at their next sync",
