@@ -147,6 +147,8 @@ def test_under_node_scope_a_node_started_again_rejoins_whole_and_every_replica_e
     assert [r["members"] for r in results] == [[0, 1, 2, 3, 4, 5]] * 6
     assert [r["rejoined_at"] for r in results] == [0, 0, 0, 0, 40, 40]  # the round's end after both came
     assert [r["syncs"] for r in results] == [12] * 6  # the rejoined took the outer state's count
+    joined = results[0]["momentum_at_join"]  # rank 0's momentum as it sent it: the rejoined's optimizers start there
+    assert joined is not None and results[4]["momentum_at_join"] == results[5]["momentum_at_join"] == joined
     assert all(r["params"] == results[0]["params"] for r in results)  # the last sync's mean, the same bits on all
     live = [r["live"] for r in results]  # after step 46, between the syncs at 44 and 48
     assert live[0] == live[1] and live[2] == live[3] and live[4] == live[5]  # a node's workers: one replica
@@ -170,6 +172,7 @@ def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path, 
     assert first["params"] == second["params"] == third["params"]  # the last sync's mean, the same bits on all
     assert first["syncs"] == second["syncs"] == 12  # every sync of the 48 steps, none skipped
     assert third["syncs"] == 12  # the outer state it took counts the syncs before it came
+    assert third["momentum_at_join"] == first["momentum_at_join"]  # its optimizer went on from rank 0's, not zero
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
     assert "join@40: rank(s) 2 rejoin the 2 replicas" in said, said[-3000:]

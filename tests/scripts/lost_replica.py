@@ -12,7 +12,9 @@ at step 40 until it has asked to join, so that they are still training when it c
 2's own `trainaccel run --max-restarts 1` starts its worker again), `node_rejoin` (as `rejoin` under node scope: node
 2's two workers, ranks 4 and 5, rejoin together; the others wait at step 40 for both), `node_agent` (as
 `node_rejoin`, node 2's workers started again by its own `trainaccel run --max-restarts 1`). Under node scope each worker
-also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones.
+also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones. In the rejoin
+cases the optimizer keeps momentum: rank 0 writes its momentum after step 40 (the join's), a rejoined rank its
+momentum before its first step (taken from rank 0's, the lowest live replica).
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -53,15 +55,29 @@ if how == "mid_sync" and rank == 2:
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+MOMENTUM = 0.9 if REJOINS else 0.0
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 if how == "zero_code" or NODE_SCOPE:  # DDP as the script has it; trainaccel's options make it DiLoCo
     model = DDP(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 else:
     diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
-losses, live = [], None
+losses, live, momentum = [], None, {}
+
+
+def momentum_now() -> list[float] | None:
+    buffers = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
+    return None if any(b is None for b in buffers) else torch.cat([b.flatten() for b in buffers]).tolist()
+
+
 start = rejoined_at(model)  # 0, or for node 2's second start the step it rejoined at
+if start:  # before its first step, after trainaccel's own hook (torch runs the global step hooks first)
+
+    def first_step(*_) -> None:
+        momentum.setdefault("at_join", momentum_now())
+
+    optimizer.register_step_pre_hook(first_step)
 for step in range(start + 1, STEPS + 1):
     if REJOINS and rank not in STARTED_AGAIN and step == 40:
         store, waited = failfast.root_store(distributed_c10d._get_default_store()), time.monotonic()
@@ -86,6 +102,8 @@ for step in range(start + 1, STEPS + 1):
     losses.append(loss.item())
     if step == 46:
         live = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    if REJOINS and rank == 0 and step == 40:
+        momentum["at_join"] = momentum_now()  # what it sends at this round's end
 sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
 refused = None
 if how == "kill" or REJOINS:  # the script's own collective on the default group, which holds the lost rank
@@ -99,5 +117,5 @@ if how == "zero_code" or NODE_SCOPE:
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
     result["scope"] = diloco.outer.scope
-    result["live"] = live
+    result["live"], result["momentum_at_join"] = live, momentum.get("at_join")
     json.dump({**result, "rejoined_at": start, "refused": refused}, f)

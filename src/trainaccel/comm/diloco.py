@@ -128,6 +128,7 @@ class DiLoCo:
         else:  # parameters (the Horovod API's optimizer): no module to watch for looks, no buffers
             self._module, self._innermost, params, buffers = None, None, list(model), []
         self.outer = OuterSync(params, buffers, group=self.group, scope=scope, names=names, config=config)
+        self.outer.inner_state = self._inner_state  # what a replica rejoining takes of this one's optimizers
         self.index, _made = _made, _made + 1
         given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
         self._given, self._holders, self._known = bool(given), weakref.WeakSet(given), bool(given)
@@ -288,7 +289,41 @@ class DiLoCo:
                 "one rank, which would see only that rank's gradients between syncs; use its optimizer_class "
                 "directly (each replica keeps its own optimizer state under sync_every)"
             )
+        if self.outer.joined_inner:
+            self._take_inner_state(optimizer)
         self.outer.prepare()
+
+    def _inner_state(self) -> dict[int, dict]:
+        """Each parameter's state in this replica's inner optimizers, by its index in the synced parameters (what a
+        replica rejoining takes: `_take_inner_state`). A sharded parameter's state stays its own."""
+        index = {id(p): i for i, p in enumerate(self.outer.params)}
+        found = {}
+        for optimizer in list(self._holders):
+            for param, state in optimizer.state.items():
+                i = index.get(id(param))
+                if i is not None and state and not any(_is_dtensor(v) for v in state.values()):
+                    found[i] = dict(state)
+        return found
+
+    def _take_inner_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """This replica rejoined: before its first step, `optimizer` takes the state a live member's optimizers had
+        for the same parameters (momentum, Adam's moments and step count), where its own is empty, through
+        load_state_dict (which puts each value where the optimizer keeps it)."""
+        index = {id(p): i for i, p in enumerate(self.outer.params)}
+        saved, taken, position = optimizer.state_dict(), 0, 0
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                i = index.get(id(param))
+                if i is not None and i in self.outer.joined_inner and not optimizer.state.get(param):
+                    saved["state"][position] = self.outer.joined_inner.pop(i)
+                    taken += 1
+                position += 1
+        if taken:
+            optimizer.load_state_dict(saved)
+            info_once(
+                f"rejoined: the {type(optimizer).__name__}'s state of {taken} parameter(s) starts from a live "
+                "replica's (its momentum and moments), not from nothing"
+            )
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):

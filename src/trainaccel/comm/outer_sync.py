@@ -151,6 +151,10 @@ class OuterSync:
         "_membership": "on_lost_replica=continue: the replicas taking part in the syncs (None: the whole group)",
         "_admit_at": "on_lost_replica=continue: `steps` after which replicas started again may join (a round applied)",
         "rejoined_at": "`steps` when this replica rejoined the running job (its rank started again); 0: it did not",
+        "inner_state": "on_lost_replica=continue: what a replica rejoining takes of the inner optimizers, {index in "
+        "`params`: that parameter's optimizer state}, from the caller that knows them (None: nothing)",
+        "joined_inner": "a replica that rejoined: the inner optimizers' state a live member sent ({index in `params`: "
+        "state}), each entry until an optimizer of this replica takes it",
         "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
     }
 
@@ -213,6 +217,8 @@ class OuterSync:
         self._hang_timeout = config.hang_timeout
         self._membership: Membership | None = None
         self.rejoined_at = 0
+        self.inner_state: Callable[[], dict[int, dict]] | None = None
+        self.joined_inner: dict[int, dict] = {}
         if config.on_lost_replica == "continue":
             self._survive_lost_replicas(config)
         self.use_scope(scope, config.hierarchical)
@@ -264,12 +270,15 @@ class OuterSync:
             for buffer, value in zip(self._fragments[-1].buffers, state["buffers"]):
                 buffer.copy_(value.view_as(buffer))  # (kept flat after a sync)
         self._synced_buffers = [b.to(self.params[0].device) for b in state["buffers"]]
+        self.joined_inner = state.get("inner", {})
         self.synced_at, self.live_is_synced, self.rejoined_at = self.steps, True, self.steps
         info_once(f"rejoined the running job at inner step {self.steps} with {len(self.members)} replicas")
 
     def _join_state(self) -> bytes:
-        """What a replica rejoining takes from this one (`_rejoin`): the outer state, the synced buffers."""
+        """What a replica rejoining takes from this one (`_rejoin`): the outer state, the synced buffers, the inner
+        optimizers' state (`inner_state`)."""
         state = {"outer": {**self.state_dict(), "residuals": {}}, "buffers": self._synced_buffers}
+        state["inner"] = self.inner_state() if self.inner_state is not None else {}
         out = io.BytesIO()
         torch.save(state, out)
         return out.getvalue()

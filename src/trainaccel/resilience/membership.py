@@ -20,8 +20,8 @@ incarnation. It asks to join; at the next round's end the members decide (in the
 join itself runs as a sync does: roll call with the joiners, a live member's state sent to them over a group built
 for it, vote. Joins happen only there (a shrink-only membership between them), so every member meets the joiner at
 the same step. A replica of several ranks (a node's workers under sync_scope=node) is lost whole and admitted whole,
-its workers' per-step group built from the store at their join. The store itself lives with the job's first node (torchrun's agent store): if that node is lost,
-every worker ends, as its heartbeat says.
+its workers' per-step group built from the store at their join. The store itself lives with the job's first node
+(torchrun's agent store): if that node is lost, every worker ends, as its heartbeat says.
 """
 
 from __future__ import annotations
