@@ -64,18 +64,38 @@ def test_a_later_start_is_the_next_incarnation(job_store):
     assert failfast.departed(job_store, "trainaccel/0/", 3) == 0  # its latest start is alive
 
 
-def test_a_collective_on_another_group_passes():
+def test_a_collective_on_another_group_passes(monkeypatch):
     calls = []
 
     def all_reduce(tensor, op=None, group=None, async_op=False):
         calls.append(group)
         return "done"
 
-    refused = rejoin._refused("all_reduce", all_reduce, "it holds rank 2")
+    watched = rejoin._watched("all_reduce", all_reduce)
+    assert watched(torch.ones(1)) == "done"  # nothing refused yet
+    monkeypatch.setattr(rejoin, "_refusal", ["it holds rank 2"])
     members = object()
-    assert refused(torch.ones(1), group=members) == "done" and calls == [members]
+    assert watched(torch.ones(1), group=members) == "done" and calls == [None, members]
     with pytest.raises(RuntimeError, match="all_reduce"):
-        refused(torch.ones(1))
+        watched(torch.ones(1))
+
+
+@pytest.mark.parametrize("caller", ["my_train", "accelerate.utils.operations"])
+def test_the_scripts_collectives_pass_while_it_sets_up_and_are_refused_in_training(monkeypatch, caller):
+    """Under on_lost_replica=continue, before any loss: a collective the script (or its framework) calls on the
+    default group passes while it sets up (no step yet), and ends with one line from its first training step on."""
+    watched = rejoin._watched("all_gather", lambda tensors, tensor, group=None, async_op=False: "done")
+    call = eval("lambda: watched([], torch.ones(1))", {"__name__": caller, "watched": watched, "torch": torch})
+    step = [0]
+    monkeypatch.setattr(rejoin, "process_step", lambda: step[0])
+    assert call() == "done"
+    step[0] = 1
+    with pytest.raises(RuntimeError) as refused:
+        call()
+    line = str(refused.value)
+    assert line.startswith(f"all_gather() on the default group: called by {caller} in training, where a lost replica ")
+    assert "sync_every with on_lost_replica=continue" in line
+    assert ("Hugging Face's Trainer" in line) == caller.startswith("accelerate.")
 
 
 def _beat(store, rank, prefix="trainaccel/0/", at=None):

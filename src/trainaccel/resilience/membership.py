@@ -50,7 +50,7 @@ from trainaccel.resilience.failfast import (
     replicas_key,
     root_store,
 )
-from trainaccel.resilience.rejoin import refuse_script_collectives
+from trainaccel.resilience.rejoin import refuse_script_collectives, watch_script_collectives
 
 log = logging.getLogger("trainaccel")
 
@@ -102,6 +102,7 @@ class Membership:
         self._done: list[str] = []
         self.replica_group: dist.ProcessGroup | None = None
         self.group_replicas(None)  # each rank a replica, until the syncs' scope says otherwise (OuterSync.use_scope)
+        watch_script_collectives()  # the script's own, on a group that will hold a lost replica
 
     def group_replicas(self, replicas: list[list[int]] | None) -> None:
         """The global ranks of each replica where one spans several (a node's workers under sync_scope=node); None:

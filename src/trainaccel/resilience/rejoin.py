@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainaccel import context
+from trainaccel.observer import process_step
 from trainaccel.resilience import failfast
 
 log = logging.getLogger("trainaccel")
@@ -163,31 +164,58 @@ def _start_stand_in_group(store: Any, rank: int, world: int) -> None:
         context.patch(module, "init_process_group", init_process_group)
 
 
-def refuse_script_collectives(why: str) -> None:
-    """From now until shutdown, the script's collectives on the default group end with one line: `why` it cannot
-    use that group (torch's and trainaccel's own calls pass)."""
-    if not context.first_time("script collectives refused"):
+def watch_script_collectives() -> None:
+    """Under on_lost_replica=continue, from now until shutdown: the script's collectives on the default group pass
+    while it sets up, and end with one line from its first training step on, or once refused
+    (`refuse_script_collectives`); torch's and trainaccel's own calls pass."""
+    if not context.first_time("script collectives watched"):
         return
+    context.on_undo("script collectives refused", _refusal.clear)
     for module in (dist, distributed_c10d):
         for name in COLLECTIVES:
             if hasattr(module, name):
-                context.patch(module, name, _refused(name, getattr(module, name), why))
+                context.patch(module, name, _watched(name, getattr(module, name)))
 
 
-def _refused(name: str, collective: Callable[..., Any], why: str) -> Callable[..., Any]:
-    """`collective`, refused with one line when the script calls it on the default group."""
+def refuse_script_collectives(why: str) -> None:
+    """From now until shutdown, the script's collectives on the default group end with one line: `why` it cannot
+    use that group."""
+    watch_script_collectives()
+    if not _refusal:  # the first reason stays
+        _refusal.append(why)
+
+
+_refusal: list[str] = []  # why the script's collectives on the default group are refused ([]: not yet)
+
+
+def _watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+    """`collective`, refused with one line when the script calls it on the default group in training."""
     signature = inspect.signature(collective)
 
     @functools.wraps(collective)
-    def refused(*args: Any, **kwargs: Any) -> Any:
+    def watched(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if not caller.startswith(("torch.", "trainaccel.")):  # torch's and trainaccel's own calls: theirs to route
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-            if group is None or group is dist.group.WORLD:
-                raise RuntimeError(
-                    f"{name}() on the default group: {why}; under on_lost_replica=continue the replicas meet only in "
-                    "trainaccel's syncs (sync_replicas() averages them)"
-                )
+            if (group is None or group is dist.group.WORLD) and (_refusal or process_step() > 0):
+                raise RuntimeError(_refused(name, caller))
         return collective(*args, **kwargs)
 
-    return refused
+    return watched
+
+
+def _refused(name: str, caller: str) -> str:
+    """The line refusing the script's collective `name` on the default group (called from module `caller`)."""
+    why = (
+        _refusal[0]
+        if _refusal
+        else (f"called by {caller or 'the script'} in training, where a lost replica would make it fail or hang")
+    )
+    line = (
+        f"{name}() on the default group: {why}; under sync_every with on_lost_replica=continue the replicas meet "
+        "only in trainaccel's syncs (sync_replicas() averages them; use on_lost_replica=stop for a script that "
+        "needs its own collectives in training)"
+    )
+    if caller.startswith(("accelerate.", "transformers.")):
+        line += " (Hugging Face's Trainer gathers token counts at every step and FLOPs at its end: use stop with it)"
+    return line

@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ class Recorder:
 
     def at_step(self, step: int) -> None:
         """After optimizer step `step` (1-based), on every rank: FSDP2 shards (outside a forward, which gathers them
-        whole), and the live parameters between syncs."""
+        whole), and the live parameters between syncs. Rank LOSE_RANK is killed (SIGKILL) after step LOSE_AT."""
+        if step == int(os.environ.get("LOSE_AT", "0")) and self.data["rank"] == int(os.environ.get("LOSE_RANK", "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
         if step == 1:
             from torch.distributed.tensor import DTensor
 
