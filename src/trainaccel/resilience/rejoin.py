@@ -8,9 +8,10 @@ script's group is a stand-in (torch's `fake` backend: the right rank and size, n
 own collectives on it end with one line naming the call. Its model and outer state come from a live replica at
 their next round's end (`Membership.join`), over a group of the members built from the job's store.
 
-The members that went on without a lost replica refuse the script's collectives on their default group alike, once
-they have lost one (`refuse_script_collectives`): the group still holds the lost process, so such a call would fail
-on a Gloo error or wait for the collective timeout.
+Under on_lost_replica=continue every worker refuses the script's collectives on the default group from its first
+training step on (`watch_script_collectives`), naming the lost rank once there is one (`refuse_script_collectives`):
+a call that met a loss would fail on a Gloo error or wait for the collective timeout (Lightning's per-batch SIGTERM
+broadcast did), and after one the group still holds the lost process.
 """
 
 from __future__ import annotations
