@@ -45,7 +45,6 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
-        average_tokens_across_devices=os.environ.get("HF_AVG_TOKENS", "1") == "1",
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(), callbacks=[AfterStep()])
     trainer.train()
