@@ -17,7 +17,12 @@ pytestmark = pytest.mark.multiprocess
 NODES = 3
 REJOINS = ("rejoin", "agent", "node_rejoin", "node_agent")  # node 2 started again (by the test or its launcher)
 NODE_SCOPE = ("node", "node_freeze", "node_rejoin", "node_agent")  # 3 nodes x 2 workers, sync_scope=node
-ZERO_CODE = ("zero_code", *NODE_SCOPE, *REJOINS)  # trainaccel run's options make the script's DDP model DiLoCo
+ZERO_CODE = (
+    "zero_code",
+    "horovod",
+    *NODE_SCOPE,
+    *REJOINS,
+)  # trainaccel run's options make the script's DDP model DiLoCo
 STARTED_AGAIN = ("rejoin", "node_rejoin")  # node 2's trainaccel run started anew by the test once it ended
 DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
 
@@ -85,6 +90,7 @@ FULL = pytest.mark.resilience_full  # outside CI's subset (tests/conftest.py)
         pytest.param("error", marks=FULL),
         pytest.param("freeze", marks=FULL),
         pytest.param("auto", marks=FULL),
+        pytest.param("horovod", marks=FULL),  # CI: the unit tests of the Horovod API's refusal (test_rejoin.py)
     ],
 )
 def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how):
@@ -107,6 +113,12 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
             assert result["refused"].startswith(
                 "barrier() on the default group: it holds rank 2, which the replicas went on without at sync "
             ), result["refused"]
+    if how == "horovod":  # the Horovod API's collective is the script's: refused in training, before the loss
+        for result in (first, second):
+            assert result["refused"].startswith("all_reduce() on the default group: called by trainaccel.horovod."), (
+                result["refused"]
+            )
+            assert "hvd collective" in result["refused"]
 
 
 @pytest.mark.parametrize(

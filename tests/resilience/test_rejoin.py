@@ -80,22 +80,37 @@ def test_a_collective_on_another_group_passes(monkeypatch):
         watched(torch.ones(1))
 
 
-@pytest.mark.parametrize("caller", ["my_train", "accelerate.utils.operations"])
-def test_the_scripts_collectives_pass_while_it_sets_up_and_are_refused_in_training(monkeypatch, caller):
-    """Under on_lost_replica=continue, before any loss: a collective the script (or its framework) calls on the
-    default group passes while it sets up (no step yet), and ends with one line from its first training step on."""
+@pytest.mark.parametrize("caller", ["my_train", "accelerate.utils.operations", "trainaccel.horovod.ops"])
+@pytest.mark.parametrize("steps", ["ddp", "inner"])
+def test_the_scripts_collectives_pass_while_it_sets_up_and_are_refused_in_training(monkeypatch, caller, steps):
+    """Under on_lost_replica=continue, before any loss: a collective the script (or its framework, or the Horovod API
+    for it) calls on the default group passes while it sets up, and ends with one line from its first training step
+    on: a DDP model's first step (`ddp`), or the first inner step where no DDP model is observed (`inner`)."""
     watched = rejoin._watched("all_gather", lambda tensors, tensor, group=None, async_op=False: "done")
     call = eval("lambda: watched([], torch.ones(1))", {"__name__": caller, "watched": watched, "torch": torch})
     step = [0]
     monkeypatch.setattr(rejoin, "process_step", lambda: step[0])
+    monkeypatch.setattr(rejoin, "_began", [])
     assert call() == "done"
-    step[0] = 1
+    if steps == "ddp":
+        step[0] = 1
+    else:
+        rejoin.training_began()
     with pytest.raises(RuntimeError) as refused:
         call()
     line = str(refused.value)
     assert line.startswith(f"all_gather() on the default group: called by {caller} in training, where a lost replica ")
     assert "sync_every with on_lost_replica=continue" in line
     assert ("Hugging Face's Trainer" in line) == caller.startswith("accelerate.")
+    assert ("hvd collective" in line) == caller.startswith("trainaccel.horovod")
+
+
+def test_trainaccels_own_collectives_pass_in_training(monkeypatch):
+    watched = rejoin._watched("all_reduce", lambda tensor, op=None, group=None, async_op=False: "done")
+    monkeypatch.setattr(rejoin, "_began", [True])
+    for caller in ("trainaccel.comm.outer_sync", "torch.distributed.distributed_c10d"):
+        call = eval("lambda: watched(torch.ones(1))", {"__name__": caller, "watched": watched, "torch": torch})
+        assert call() == "done"
 
 
 def _beat(store, rank, prefix="trainaccel/0/", at=None):

@@ -11,7 +11,9 @@ test starts node 2 again: that start rejoins, takes the model at the next sync a
 at step 40 until it has asked to join, so that they are still training when it comes), `agent` (as `rejoin`, but node
 2's own `trainaccel run --max-restarts 1` starts its worker again), `node_rejoin` (as `rejoin` under node scope: node
 2's two workers, ranks 4 and 5, rejoin together; the others wait at step 40 for both), `node_agent` (as
-`node_rejoin`, node 2's workers started again by its own `trainaccel run --max-restarts 1`). Under node scope each worker
+`node_rejoin`, node 2's workers started again by its own `trainaccel run --max-restarts 1`), `horovod` (as
+`zero_code`, the script written for the Horovod API: hvd.DistributedOptimizer takes the launch's options; its
+hvd.allreduce of a loss at step 2 is refused). Under node scope each worker
 also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones. In the rejoin
 cases the optimizer keeps momentum: rank 0 writes its momentum after step 40 (the join's), a rejoined rank its
 momentum before its first step (taken from rank 0's, the lowest live replica).
@@ -40,7 +42,12 @@ STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
 NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
 LOST = 4 if NODE_SCOPE else 2
 STARTED_AGAIN = (4, 5) if NODE_SCOPE else (2,)  # the ranks of node 2
-dist.init_process_group("gloo")
+if how == "horovod":
+    import trainaccel.horovod as hvd
+
+    hvd.init()
+else:
+    dist.init_process_group("gloo")
 rank = dist.get_rank()
 
 if how == "mid_sync" and rank == 2:
@@ -60,10 +67,14 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 if how == "zero_code" or NODE_SCOPE:  # DDP as the script has it; trainaccel's options make it DiLoCo
     model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
+elif how == "horovod":  # the launch's sync_every and on_lost_replica, taken by hvd.DistributedOptimizer
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    diloco = optimizer.diloco
 else:
     diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
-losses, live, momentum = [], None, {}
+losses, live, momentum, refused = [], None, {}, None
 
 
 def momentum_now() -> list[float] | None:
@@ -87,7 +98,7 @@ for step in range(start + 1, STEPS + 1):
     if (
         rank == LOST
         and step == LOSE_AT
-        and how in ("kill", "auto", "zero_code", "node", "node_rejoin", "node_agent", "rejoin", "agent")
+        and how in ("kill", "auto", "zero_code", "horovod", "node", "node_rejoin", "node_agent", "rejoin", "agent")
     ):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == LOST and step == LOSE_AT and how in ("freeze", "node_freeze"):
@@ -100,12 +111,19 @@ for step in range(start + 1, STEPS + 1):
     loss.backward()
     optimizer.step()
     losses.append(loss.item())
+    if how == "horovod" and step == 2:  # the script's metric average in training, before any loss: refused
+        try:
+            hvd.allreduce(loss.detach(), name="loss")
+        except RuntimeError as e:
+            refused = str(e)
     if step == 46:
         live = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
     if REJOINS and rank == 0 and step == 40:
         momentum["at_join"] = momentum_now()  # what it sends at this round's end
-sync_replicas(model)  # the replicas' mean now (nothing to do where step 24 was a sync)
-refused = None
+if how == "horovod":
+    diloco.sync()  # the replicas' mean now (nothing to do where step 24 was a sync)
+else:
+    sync_replicas(model)
 if how == "kill" or REJOINS:  # the script's own collective on the default group, which holds the lost rank
     try:
         dist.barrier()

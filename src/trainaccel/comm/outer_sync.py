@@ -45,6 +45,7 @@ from trainaccel.devices import group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
 from trainaccel.resilience.membership import Membership
+from trainaccel.resilience.rejoin import training_began
 
 log = logging.getLogger("trainaccel")
 
@@ -349,6 +350,8 @@ class OuterSync:
     def step(self) -> None:
         """An inner step ended: count it and apply or start the syncs now due."""
         self.steps += 1
+        if self._membership is not None:
+            training_began()  # the script's collectives on the default group are refused from now on
         if self.steps == self.warmup:
             self._timing = [None, [], 0.0]  # the warm-up's times included the exchange: auto measures local steps
         now = time.perf_counter()

@@ -172,6 +172,7 @@ def watch_script_collectives() -> None:
     if not context.first_time("script collectives watched"):
         return
     context.on_undo("script collectives refused", _refusal.clear)
+    context.on_undo("inner steps begun", _began.clear)
     for module in (dist, distributed_c10d):
         for name in COLLECTIVES:
             if hasattr(module, name):
@@ -186,7 +187,17 @@ def refuse_script_collectives(why: str) -> None:
         _refusal.append(why)
 
 
+def training_began() -> None:
+    """An inner step of sync_every ended: the script is training (counted where no DDP model's steps are observed: an
+    explicit DiLoCo on a plain module, hvd.DistributedOptimizer)."""
+    if not _began:
+        _began.append(True)
+
+
 _refusal: list[str] = []  # why the script's collectives on the default group are refused ([]: not yet)
+_began: list[bool] = []  # [True] once an inner step ended (training_began)
+# Callers whose collectives count as the script's: the Horovod API's are the script's hvd.allreduce and the like.
+_SCRIPTS_OWN = ("trainaccel.horovod",)
 
 
 def _watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
@@ -196,9 +207,10 @@ def _watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(collective)
     def watched(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if not caller.startswith(("torch.", "trainaccel.")):  # torch's and trainaccel's own calls: theirs to route
+        # torch's and trainaccel's own calls are theirs to route; the Horovod API's are made for the script
+        if caller.startswith(_SCRIPTS_OWN) or not caller.startswith(("torch.", "trainaccel.")):
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-            if (group is None or group is dist.group.WORLD) and (_refusal or process_step() > 0):
+            if (group is None or group is dist.group.WORLD) and (_refusal or _began or process_step() > 0):
                 raise RuntimeError(_refused(name, caller))
         return collective(*args, **kwargs)
 
@@ -217,6 +229,8 @@ def _refused(name: str, caller: str) -> str:
         "only in trainaccel's syncs (sync_replicas() averages them; use on_lost_replica=stop for a script that "
         "needs its own collectives in training)"
     )
+    if caller.startswith(_SCRIPTS_OWN):
+        line += " (the script's hvd collective: average metrics over the replicas after training, or use stop)"
     if caller.startswith(("accelerate.", "transformers.")):
         line += " (Hugging Face's Trainer gathers token counts at every step and FLOPs at its end: use stop with it)"
     return line
