@@ -79,6 +79,16 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
 
 
 FULL = pytest.mark.resilience_full  # outside CI's subset (tests/conftest.py)
+SAMPLES = 60  # the script's DistributedSampler
+
+
+def assert_split(results: list[dict], when: str, workers: int) -> None:
+    """The workers' passes over the job-wide sampler (`before` training, or `after`) split it over `workers`: equal
+    disjoint parts in rank order that cover every index."""
+    parts = [r["split"][when] for r in results]
+    each = SAMPLES // workers
+    assert parts == [list(range(i, SAMPLES, workers)) for i in range(workers)], (when, parts)
+    assert len(parts) == workers and all(len(part) == each for part in parts)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +115,9 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
     assert not (tmp_path / "rank2.json").exists()
     for result in (first, second):
         assert sum(result["losses"][-4:]) < 0.5 * sum(result["losses"][:4]), result["losses"]
+    # The job's sampler: 3 parts before the loss; after it the two survivors share rank 2's part.
+    assert [r["split"]["before"] for r in (first, second)] == [list(range(i, SAMPLES, 3)) for i in (0, 1)]
+    assert_split([first, second], "after", 2)
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
     assert "ending rank 0" not in said and "ending rank 1" not in said
@@ -139,6 +152,8 @@ def test_under_node_scope_a_nodes_workers_are_lost_together_and_the_other_nodes_
     assert [r["syncs"] for r in results] == [6] * 4  # every sync of the 24 steps, none skipped
     assert all(r["params"] == results[0]["params"] for r in results)
     assert not (tmp_path / "rank4.json").exists() and not (tmp_path / "rank5.json").exists()
+    assert [r["split"]["before"] for r in results] == [list(range(i, SAMPLES, 6)) for i in range(4)]
+    assert_split(results, "after", 4)  # node 2's two parts shared by the four workers present
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 4: " in said, said[-3000:]
     assert "; rank 5: its node's replica is lost with rank 4\n" in said, said[-3000:]
@@ -170,6 +185,8 @@ def test_under_node_scope_a_node_started_again_rejoins_whole_and_every_replica_e
     assert "; rank 5: its node's replica is lost with rank 4\n" in said, said[-3000:]
     assert "join@40: rank(s) 4, 5 rejoin the 2 replicas" in said, said[-3000:]
     assert outputs[2].count("this process rejoins it") == 2, outputs[2][-3000:]
+    assert_split(results, "before", 6)  # node 2's second start: its workers' parts, from the job's split
+    assert_split(results, "after", 6)  # every node back: the job's split again
     for result in results[:4]:  # the default group still holds node 2's first start: the script's barrier
         assert result["refused"].startswith("barrier() on the default group: it holds rank 4, 5, which the replicas")
     for rank in (4, 5):
@@ -199,6 +216,7 @@ def test_a_replica_started_again_rejoins_and_every_replica_ends_equal(tmp_path, 
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
     assert "join@40: rank(s) 2 rejoin the 2 replicas" in said, said[-3000:]
     assert "this process rejoins it" in outputs[2], outputs[2][-3000:]
+    assert_split([first, second, third], "after", 3)  # rank 2 back: the job's split again
     for result in (first, second):  # the default group still holds rank 2's first start: the script's barrier
         assert result["refused"].startswith("barrier() on the default group: it holds rank 2, which the replicas went")
     assert third["refused"].startswith("barrier() on the default group: rank 2 rejoined a running job")

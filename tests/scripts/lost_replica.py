@@ -16,7 +16,8 @@ at step 40 until it has asked to join, so that they are still training when it c
 hvd.allreduce of a loss at step 2 is refused). Under node scope each worker
 also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones. In the rejoin
 cases the optimizer keeps momentum: rank 0 writes its momentum after step 40 (the join's), a rejoined rank its
-momentum before its first step (taken from rank 0's, the lowest live replica).
+momentum before its first step (taken from rank 0's, the lowest live replica). Each worker passes over a job-wide
+DistributedSampler of SAMPLES indices before training and after it.
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
 
 from trainaccel.comm import DiLoCo, rejoined_at, sync_replicas
 from trainaccel.observer import observer_of
@@ -42,6 +44,7 @@ STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
 NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
 LOST = 4 if NODE_SCOPE else 2
 STARTED_AGAIN = (4, 5) if NODE_SCOPE else (2,)  # the ranks of node 2
+SAMPLES = 60
 if how == "horovod":
     import trainaccel.horovod as hvd
 
@@ -74,6 +77,10 @@ elif how == "horovod":  # the launch's sync_every and on_lost_replica, taken by 
 else:
     diloco = DiLoCo(model, optimizer, sync_every="auto" if how == "auto" else EVERY, on_lost_replica="continue")
 data = torch.Generator().manual_seed(rank)
+# A job-wide sampler as a script builds it; one pass before training and one after (trainaccel splits it over the
+# workers present at each pass: `split` holds what this worker drew in each).
+sampler = DistributedSampler(list(range(SAMPLES)), shuffle=False)
+split = {"before": list(sampler)}
 losses, live, momentum, refused = [], None, {}, None
 
 
@@ -129,6 +136,7 @@ if how == "kill" or REJOINS:  # the script's own collective on the default group
         dist.barrier()
     except RuntimeError as e:
         refused = str(e)
+split["after"] = list(sampler)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 if how == "zero_code" or NODE_SCOPE:
     diloco = observer_of(model).diloco
@@ -136,4 +144,4 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
     result["scope"] = diloco.outer.scope
     result["live"], result["momentum_at_join"] = live, momentum.get("at_join")
-    json.dump({**result, "rejoined_at": start, "refused": refused}, f)
+    json.dump({**result, "rejoined_at": start, "refused": refused, "split": split}, f)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from trainaccel import context
 from trainaccel.resilience.failfast import (
     HEARTBEAT_S,
     LastChange,
@@ -51,12 +52,21 @@ from trainaccel.resilience.failfast import (
     root_store,
 )
 from trainaccel.resilience.rejoin import refuse_script_collectives, watch_script_collectives
+from trainaccel.resilience.samplers import follow_membership
 
 log = logging.getLogger("trainaccel")
 
 LOST_AFTER_S = 3 * HEARTBEAT_S  # a heartbeat unchanged this long: its process is gone, frozen or cut off
 TRIES = 3  # tries of one sync over the same members before every member gives up alike (not a lost member, then)
 POLL_S = 0.05
+
+
+_latest: list[list[int]] = []  # the members of the Membership that changed last: [ranks] ([]: none in this process)
+
+
+def live_ranks() -> list[int] | None:
+    """The global ranks present at the last sync (None: no membership in this process)."""
+    return list(_latest[0]) if _latest else None
 
 
 class Dropped(RuntimeError):
@@ -67,7 +77,7 @@ class Membership:
     """The members of the syncs (global ranks), the group they exchange over, and the store that decides both."""
 
     __slots__ = {
-        "members": "the global ranks taking part, sorted: all of the job's at first",
+        "_members": "the global ranks taking part, sorted: all of the job's at first (`members`)",
         "incarnations": "each member's incarnation: 0, or which start of its rank it is (started again to rejoin)",
         "epoch": "how many times the members' group was rebuilt (a new group per change, and after a failed try)",
         "group": "the process group of the current members (the engine's own at first; None: none usable)",
@@ -103,6 +113,9 @@ class Membership:
         self.replica_group: dist.ProcessGroup | None = None
         self.group_replicas(None)  # each rank a replica, until the syncs' scope says otherwise (OuterSync.use_scope)
         watch_script_collectives()  # the script's own, on a group that will hold a lost replica
+        follow_membership(live_ranks)  # job-wide DistributedSamplers split the data over the members present
+        if context.first_time("membership recorded"):
+            context.on_undo("membership recorded", _latest.clear)
 
     def group_replicas(self, replicas: list[list[int]] | None) -> None:
         """The global ranks of each replica where one spans several (a node's workers under sync_scope=node); None:
@@ -112,6 +125,15 @@ class Membership:
             self._replica.update(dict.fromkeys(ranks, min(ranks)))
         if incarnation() == 0:  # what a rank started again checks before it rejoins (resilience.rejoin)
             self._store.set(replicas_key(), json.dumps(sorted(map(sorted, replicas or []))))
+
+    @property
+    def members(self) -> list[int]:
+        return self._members
+
+    @members.setter
+    def members(self, ranks: list[int]) -> None:
+        self._members = ranks
+        _latest[:] = [list(ranks)]  # what job-wide samplers split the data over (live_ranks)
 
     @property
     def size(self) -> int:
