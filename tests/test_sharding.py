@@ -355,6 +355,7 @@ def test_a_state_dict_called_on_rank_0_only_fails_at_once_naming_the_cause(tmp_p
 
 
 @pytest.mark.multiprocess
+@pytest.mark.comm_full  # CI: hybrid above, and zero-code sync_every's node-scope average (tests/comm/test_diloco.py)
 def test_hybrid_with_sync_every_averages_the_replicas_across_nodes(tmp_path):
     script = SCRIPTS / "ddp_checkpoint.py"
     for name in ("ddp", "every1", "every3"):
