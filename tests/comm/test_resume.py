@@ -58,6 +58,7 @@ def test_a_restarted_job_resumes_the_exact_trajectory(tmp_path, compression, buc
         assert torch.equal(resumed["params"][name], value), name
 
 
+@FULL  # CI: the restart matrix's cell above, and the message in-process (test_script_patterns.py)
 def test_a_checkpoint_of_rank_0_alone_resumes_with_empty_residuals_elsewhere_and_says_so(tmp_path):
     reference, _ = launch(tmp_path / "uninterrupted", "topk", fail=False)
     resumed, proc = launch(tmp_path / "restarted", "topk")

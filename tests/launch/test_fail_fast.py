@@ -46,6 +46,7 @@ def test_failing_worker_stops_the_job_with_its_error(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.resilience_full  # CI: the same restart on 2 nodes (test_restart_nodes.py, a raised error)
 def test_restart_resumes_from_the_last_checkpoint_with_the_same_result(tmp_path):
     proc, _ = launch(tmp_path / "restarted", "--max-restarts", 1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
