@@ -50,6 +50,11 @@ def test_a_lost_replica_under_a_framework_client(client, tmp_path):
         ranks = read_ranks(out, 2)
         assert [r["diloco"]["syncs"] for r in ranks] == [3, 3]  # at steps 4, 8 (without rank 2) and 12
         assert ranks[0]["synced_end"] == ranks[1]["synced_end"]
+        if package == "lightning":  # Lightning's own sampler for the job (shuffled): halves after the loss
+            size = 3 * 12 * 16  # every rank's 12 batches of 16 (report.dataset)
+            parts = [r["sampler_after"] for r in ranks]
+            assert [r["sampler"] for r in ranks] == ["DistributedSampler"] * 2
+            assert [len(p) for p in parts] == [size // 2] * 2 and sorted(parts[0] + parts[1]) == list(range(size))
     else:  # every rank refused at the first gather in training, with one line
         assert all(p.returncode != 0 for p in procs), said[-3000:]
         line = re.compile(

@@ -60,6 +60,9 @@ def main(validate: bool = False) -> None:
     )
     loader = torch.utils.data.DataLoader(dataset(int(os.environ["WORLD_SIZE"])), batch_size=16)
     trainer.fit(module, loader, loader if validate else None)
+    sampler = trainer.train_dataloader.sampler  # the DistributedSampler Lightning built for the whole job
+    recorder.data["sampler"] = type(sampler).__name__
+    recorder.data["sampler_after"] = [int(i) for i in sampler]  # a pass after training: the split of the workers now
     recorder.finish(observe.ddp, args.out)
 
 
