@@ -17,12 +17,8 @@ pytestmark = pytest.mark.multiprocess
 NODES = 3
 REJOINS = ("rejoin", "agent", "node_rejoin", "node_agent")  # node 2 started again (by the test or its launcher)
 NODE_SCOPE = ("node", "node_freeze", "node_rejoin", "node_agent")  # 3 nodes x 2 workers, sync_scope=node
-ZERO_CODE = (
-    "zero_code",
-    "horovod",
-    *NODE_SCOPE,
-    *REJOINS,
-)  # trainaccel run's options make the script's DDP model DiLoCo
+# trainaccel run's options make the script's DDP model (or its hvd.DistributedOptimizer) DiLoCo
+ZERO_CODE = ("zero_code", "horovod", *NODE_SCOPE, *REJOINS)
 STARTED_AGAIN = ("rejoin", "node_rejoin")  # node 2's trainaccel run started anew by the test once it ended
 DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
 

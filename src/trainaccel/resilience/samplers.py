@@ -44,11 +44,11 @@ def follow_membership(live_ranks: Callable[[], list[int] | None]) -> None:
 def _follow(sampler: DistributedSampler, live: list[int] | None) -> None:
     """Set `sampler`'s split to the workers in `live`, if it was built for the whole job and this worker is one."""
     built = _built.setdefault(sampler, (sampler.num_replicas, sampler.rank))
-    if live is None or not dist.is_initialized() or built != (dist.get_world_size(), dist.get_rank()):
-        return  # built for another split (a subgroup, a custom rank): the script's to change
-    rank = dist.get_rank()
-    if rank not in live:
+    if live is None or not dist.is_initialized():
         return
+    rank = dist.get_rank()
+    if built != (dist.get_world_size(), rank) or rank not in live:
+        return  # built for another split (a subgroup, a custom rank: the script's), or this worker was left out
     replicas, place = len(live), live.index(rank)
     if (replicas, place) == (sampler.num_replicas, sampler.rank):
         return
