@@ -277,6 +277,22 @@ def test_a_tiny_run_of_every_arm_reports_curves_quality_and_bytes(tmp_path):
     assert arms["local"]["share_of_ceiling"] == 1.0 and report["arm_options"]["fp16"] == {"compression": "fp16"}
 
 
+@pytest.mark.bench_full
+@pytest.mark.multiprocess
+def test_under_sync_every_validations_see_the_synced_model_and_only_the_last_averages(tmp_path):
+    out = tmp_path / "quality.json"
+    cmd = [*trainaccel_cmd(), "bench", "quality", "--task", "digits", "--steps", "8", "--eval-every", "3"]
+    cmd += ["--repeats", "1", "--arms", "local", "--variant", "h4:sync_every=4", "--json", out]
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (curve,) = json.loads(out.read_text())["arms"]["h4"]["curves"]
+    assert [c[0] for c in curve] == [0, 3, 6, 8]
+    # Step 3 comes before the first sync (step 4): a validation sees the synced model, still the initial one, and
+    # averages nothing (an average there would show the replicas' three steps of training).
+    assert curve[1][2:] == curve[0][2:]
+    assert curve[2][2] != curve[0][2] and curve[3][2] < curve[0][2]
+
+
 @pytest.mark.parametrize(
     "error, code, line",
     [

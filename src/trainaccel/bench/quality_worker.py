@@ -3,7 +3,10 @@
 Arms: baseline (plain DDP under torchrun), torch-bf16 and torch-fp16 (DDP with torch's own
 `bf16_compress_hook` / `fp16_compress_hook`), trainaccel (the same script under `trainaccel run`),
 local (no gradient exchange: the compute-only ceiling; its replicas drift apart, so its quality
-is rank 0's alone). The clock runs during training steps only, not during validation.
+is rank 0's alone). The clock runs during training steps only, not during validation. Under sync_every a
+validation is what a script's own evaluation is: a forward without gradients in eval mode, which sees the synced
+model (the last sync's) with no communication and leaves training as it was; only the last one averages the
+replicas first (`sync_replicas`, on the clock), as a script does before saving its final model.
 
 With `--lose-node N --lose-at S` the workers of node N kill themselves (SIGKILL) before step S. Under
 on_lost_replica=continue the clock is rank 0's own: the slowest worker's time would need a collective over the
@@ -117,7 +120,8 @@ def main() -> None:
 
     def stop_clock_and_validate(step: int) -> None:
         nonlocal elapsed
-        sync_replicas(model)  # under sync_every: the replicas are averaged before validation, on the clock
+        if step == args.steps:
+            sync_replicas(model)  # under sync_every: the final model is the replicas' average, on the clock
         if device.type == "cuda":
             torch.cuda.synchronize()
         took = torch.tensor(time.perf_counter() - started, device=device)
@@ -126,7 +130,7 @@ def main() -> None:
         elapsed += float(took)
         loss, accuracy = task.evaluate(model.module, validation)
         curve.append([step, elapsed, loss, accuracy])
-        if saved and rank == 0:  # the replicas were just averaged: what every rank resumes from
+        if saved and rank == 0:  # state_dict() holds the synced model, the same on every rank: where each resumes
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
             state.update(schedule=schedule.state_dict(), elapsed=elapsed, curve=curve)
             torch.save(state, saved + ".tmp")
