@@ -60,7 +60,7 @@ TITLES = {
 DISPLAY_ORDER = ["env", "gpu-tests", "suite", "options", "replicas", "amp", "resnet", "overlap"]
 TIMEOUTS = {  # seconds: each stage's own limit, cut to what is left of --budget
     "env": 90,
-    "gpu-tests": 150,
+    "gpu-tests": 240,  # the lost-replica jobs start 3 nodes of workers, twice
     "options": 240,
     "replicas": 180,
     "amp": 90,

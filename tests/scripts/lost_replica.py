@@ -17,7 +17,8 @@ hvd.allreduce of a loss at step 2 is refused). Under node scope each worker
 also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones. In the rejoin
 cases the optimizer keeps momentum: rank 0 writes its momentum after step 40 (the join's), a rejoined rank its
 momentum before its first step (taken from rank 0's, the lowest live replica). Each worker passes over a job-wide
-DistributedSampler of SAMPLES indices before training and after it.
+DistributedSampler of SAMPLES indices before training and after it. With LOST_REPLICA_DEVICE=cuda the model, its
+data and so the anchors and the outer state live on the GPU (every worker on GPU 0, over Gloo: tests/gpu).
 Usage: lost_replica.py OUT_DIR HOW
 """
 
@@ -45,6 +46,9 @@ NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
 LOST = 4 if NODE_SCOPE else 2
 STARTED_AGAIN = (4, 5) if NODE_SCOPE else (2,)  # the ranks of node 2
 SAMPLES = 60
+DEVICE = torch.device(os.environ.get("LOST_REPLICA_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    torch.cuda.set_device(0)  # NCCL refuses two ranks on one GPU; the group is Gloo, which takes CUDA tensors
 if how == "horovod":
     import trainaccel.horovod as hvd
 
@@ -64,7 +68,7 @@ if how == "mid_sync" and rank == 2:
     membership.Membership._vote = dying_vote
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(DEVICE)
 MOMENTUM = 0.9 if REJOINS else 0.0
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 if how == "zero_code" or NODE_SCOPE:  # DDP as the script has it; trainaccel's options make it DiLoCo
@@ -112,7 +116,7 @@ for step in range(start + 1, STEPS + 1):
         os.kill(os.getpid(), signal.SIGSTOP)
     if rank == 2 and step == LOSE_AT and how == "error":
         raise RuntimeError("rank 2 failed on purpose")
-    x = torch.randn(16, 8, generator=data)
+    x = torch.randn(16, 8, generator=data).to(DEVICE)
     loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
     optimizer.zero_grad()
     loss.backward()
