@@ -21,15 +21,16 @@ def _choose(step_s, sync_s, free=ALL, fragments=1, overlap=0, codec="none", repl
 @pytest.mark.parametrize(
     "step_s, sync_s, expected",
     [
-        # A fast link: full precision fits in a step, H as short as 10% of the time allows.
+        # A fast link: full precision fits in a step, H as short as 10% of the time allows, under the cap.
+        (0.1, 0.03, (3, 1, 1, "none")),
         (0.045, 0.02, (4, 1, 1, "none")),
         (0.5, 0.05, (1, 1, 1, "none")),
         # bf16 halves a sync just over a step; int8 quarters one of three steps. Two fragments of under half a
-        # step each; H = 7 keeps 0.076 s of syncs within 10% of 7 steps and a sync.
-        (0.1, 0.15, (7, 2, 1, "bf16")),
-        (0.1, 0.3, (7, 2, 1, "int8")),
+        # step each; H at its quality cap (7 steps would keep 0.076 s of syncs within 10% of the time).
+        (0.1, 0.15, (H_CAP, 2, 1, "bf16")),
+        (0.1, 0.3, (H_CAP, 2, 1, "int8")),
         # 500 Mbit/s on the text task: fp4 under a step, in two fragments of under half a step.
-        (0.045, 0.2, (6, 2, 1, "fp4")),
+        (0.045, 0.2, (H_CAP, 2, 1, "fp4")),
         # 100 Mbit/s: fp4 still over a step; the most fragments, and H at its quality cap rather than longer.
         (0.045, 0.8, (H_CAP, 4, 1, "fp4")),
         (0.01, 5.0, (H_CAP, 4, 1, "fp4")),
@@ -73,16 +74,18 @@ def test_a_gathered_codec_is_not_picked_where_it_sends_more_than_bf16():
 
 def test_later_rounds_rechoose_h_only_and_say_why():
     first = choose(Measured(0.045, 0.2, "none", ELEMENTS, 2), ALL, 1, 0, "none", 30)
-    assert first.interval == 6
+    assert first.interval == H_CAP == 4
     cheaper = rechoose(first, 0.045, 0.001)
     assert (cheaper.fragments, cheaper.overlap, cheaper.codec) == (first.fragments, first.overlap, first.codec)
     assert cheaper.interval == 2  # at least a step per fragment
-    assert rechoose(first, 0.045, 0.01).interval == 5  # down only as far as keeps syncs within 5% of the time
-    assert rechoose(first, 0.045, 0.025) is first  # H = 5 would keep 10%, not 5%: no change, nothing said
-    assert rechoose(first, 0.045, 0.04).interval == 8  # up as soon as syncs take more than 10%
-    assert rechoose(first, 0.045, 1.0).interval == H_CAP
+    lower = rechoose(first, 0.045, 0.005)
+    assert lower.interval == 3  # down only as far as keeps syncs within 5% of the time (10% would allow 1)
+    assert rechoose(first, 0.045, 0.01) is first  # H = 2 would keep 10%, not 5%: no change, nothing said
+    assert rechoose(lower, 0.045, 0.015) is lower  # within 10% at H = 3: no change
+    assert rechoose(lower, 0.045, 0.02).interval == 4  # up as soon as syncs take more than 10%
+    assert rechoose(lower, 0.045, 1.0).interval == H_CAP  # never past the cap
     line = first.line(frozenset({"outer_compression"}))
-    assert line.startswith("sync_every=auto: H=6, 2 fragments, overlap 1, fp4 (set) (step 0.045 s, ")
+    assert line.startswith("sync_every=auto: H=4, 2 fragments, overlap 1, fp4 (set) (step 0.045 s, ")
     assert "\n" not in line and "at 37 MB/s" in line
 
 

@@ -26,7 +26,7 @@ FIRST = 4  # the measuring round's inner steps
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H
 SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap
-H_CAP = 10  # the longest interval auto picks: quality falls with longer ones (docs/communication.md)
+H_CAP = 4  # the longest interval auto picks: quality falls with longer ones (docs/communication.md)
 MAX_FRAGMENTS = 4
 CODECS = ("none", "bf16", "int8", "fp4")  # least lossy first
 # The options auto picks where they are left at their defaults (Config's), and their defaults.
