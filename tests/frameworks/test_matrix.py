@@ -32,6 +32,8 @@ OPTIONS = {
     "sync_every_node": {"sync_every": 4, "sync_scope": "node"},
     # The syncs over the members present (resilience/membership.py), applied under each client; nobody is lost here.
     "sync_every_continue": {"sync_every": 4, "sync_scope": "rank", "on_lost_replica": "continue"},
+    # auto's measuring round (4 steps), then its own setting: H at most 4, fragments, overlap and the outer codec.
+    "sync_every_auto": {"sync_every": "auto", "sync_scope": "rank"},
     "amp_bf16": {"amp": "bf16"},
     "shard_full": {"shard": "full"},
 }
@@ -44,6 +46,7 @@ CI = {
     ("plain", "fp16", "init"),
     ("hf_trainer", "topk", "run"),
     ("lightning", "amp_bf16", "run"),
+    ("lightning", "sync_every_auto", "run"),
     ("lightning_validate", "fp16", "run"),
     ("accelerate", "none", "run"),
     ("horovod", "fp16", "run"),
@@ -138,6 +141,15 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             for r in ranks:
                 assert low * dense < r["bytes_per_step"] < high * dense, (r["bytes_per_step"], dense)
         assert_replicas_equal(ranks)
+    elif option == "sync_every_auto":  # its H, fragments and codec follow the times it measures
+        for r in ranks:
+            # The measuring round's sync at step 4, then at least one more applied by step 12 (H at most 4; the
+            # last one may still be in flight under its one step of overlap).
+            assert r.get("diloco") and r["diloco"]["syncs"] >= 2, r.get("diloco")
+            assert 0 < r["bytes_per_step"] <= dense, (r["bytes_per_step"], dense)
+        if ranks[0]["ddp"]:
+            assert_observed_every_step(ranks)
+        assert len({r["synced_end"] for r in ranks}) == 1, "the synced model differs across ranks"
     elif option.startswith("sync_every"):
         for r in ranks:
             assert r.get("diloco") and r["diloco"]["syncs"] == r["steps"] // 4, r.get("diloco")
