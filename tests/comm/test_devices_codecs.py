@@ -115,7 +115,25 @@ def _inputs() -> list[torch.Tensor]:
     tiny = torch.tensor([1e-40, -3e-41, 0.0, 2e-45] * 70)
     mixed = torch.randn(777, generator=g)
     mixed[5], mixed[300], mixed[301], mixed[700] = float("nan"), float("inf"), -3.0, float("-inf")
-    return [torch.randn(1, generator=g), torch.randn(2049, generator=g).half(), wide, tiny, torch.zeros(300), mixed]
+    # Every quarter from -6 to 6 in blocks whose largest magnitude is 6 (fp4's midpoints, ties included), -0.0 and
+    # small negatives that round to a signed zero.
+    quarters = torch.cat([torch.tensor([6.0]), torch.arange(-24, 25) / 4, torch.tensor([-0.0, -1e-3, -0.2])]).repeat(6)
+    return [
+        torch.randn(1, generator=g),
+        torch.randn(2049, generator=g).half(),
+        wide,
+        tiny,
+        torch.zeros(300),
+        mixed,
+        quarters,
+        quarters + 1e-6,
+        -quarters,
+    ]
+
+
+def test_fp4_nearest_code_is_its_table():
+    quarters = torch.arange(25, dtype=torch.uint8)
+    assert torch.equal(BlockQuantized._nearest(quarters), BlockQuantized._NEAREST)
 
 
 @pytest.mark.parametrize("name", ["int8", "fp4"])

@@ -235,20 +235,21 @@ class BlockQuantized:
     summable, lossy, keeps_finiteness = False, True, True
     BLOCK = 256
     FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
-    # The midpoints between E2M1's magnitudes are multiples of 1/4: floor(4 |x|) picks the nearest code by table.
+    # The midpoints between E2M1's magnitudes are multiples of 1/4: floor(4 |x|) picks the nearest code (`_nearest`
+    # computes this table's values).
     _NEAREST = torch.tensor([sum(q >= e for e in (1, 3, 5, 7, 10, 14, 20)) for q in range(25)], dtype=torch.uint8)
     # Each byte's two values (low nibble first), signs included: decoding is one table lookup per byte.
     _SIGNED = torch.cat([FP4, -FP4])
     _PAIRS = torch.stack([_SIGNED[torch.arange(256) & 15], _SIGNED[torch.arange(256) >> 4]], dim=1)
     _TOPS = torch.tensor([127.0, 6.0])  # int8's and fp4's largest codes
-    # Those tables on each device that used them: (_NEAREST, _PAIRS, _TOPS), copied there once for every instance.
-    _ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    # Those tables on each device that used them: (_PAIRS, _TOPS), copied there once for every instance.
+    _ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def _tables(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tables(cls, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         tables = cls._ON_DEVICE.get(device)
         if tables is None:  # two threads may both copy: either copy is right
-            tables = cls._ON_DEVICE[device] = (cls._NEAREST.to(device), cls._PAIRS.to(device), cls._TOPS.to(device))
+            tables = cls._ON_DEVICE[device] = (cls._PAIRS.to(device), cls._TOPS.to(device))
         return tables
 
     def __init__(self, name: str):
@@ -263,7 +264,7 @@ class BlockQuantized:
         x = torch.nn.functional.pad(tensor.float(), (0, blocks * self.BLOCK - n)).view(blocks, self.BLOCK)
         # Divided by a tensor on x's device: CUDA turns a division by a Python number into a product with its
         # reciprocal, which rounds differently from the CPU's (and IEEE's) division.
-        scales = x.abs().amax(dim=1) / self._tables(x.device)[2][self.top]
+        scales = x.abs().amax(dim=1) / self._tables(x.device)[1][self.top]
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: codes 0
         # A non-finite input makes its block's scale non-finite, which is what the finiteness check reads; its codes
         # must still be valid. Zeroing what is not finite after normalising changes nothing for finite input (finite
@@ -274,11 +275,23 @@ class BlockQuantized:
         else:
             # (not x * (4 / safe): a subnormal scale's reciprocal overflows)
             x = (x / safe[:, None]).mul_(4.0).nan_to_num_(0.0, 0.0, 0.0)
-            quarters = x.abs().clamp_(max=24.0).to(torch.int64)
-            code = self._tables(x.device)[0][quarters] | ((x < 0).to(torch.uint8) << 3)
+            code = self._nearest(x.abs().clamp_(max=24.0).to(torch.uint8))
+            code |= (x < 0).view(torch.uint8) << 3
             codes = (code[:, 0::2] | (code[:, 1::2] << 4)).reshape(-1)
         payload = torch.cat([scales.view(torch.uint8), codes])
         return payload, (n, tensor.dtype, blocks)
+
+    @staticmethod
+    def _nearest(quarters: torch.Tensor) -> torch.Tensor:
+        """E2M1's nearest magnitude code for each uint8 `quarters` (floor(4 |x|), at most 24): `_NEAREST`'s values.
+
+        Sums of `(q >= t)` for the midpoints t, each as `(q + 128 - t) >> 7`: uint8 arithmetic, where a table lookup
+        (int64 indices) or a comparison costs a CPU several times more.
+        """
+        code = ((quarters + 1) >> 1).clamp_(max=4)  # the midpoints 1, 3, 5, 7: half of q + 1, rounded down
+        for midpoint in (10, 14, 20):
+            code += (quarters + (128 - midpoint)) >> 7
+        return code
 
     def payload_bytes(self, n: int) -> int:
         """The bytes of one payload for `n` elements: a float32 scale and the codes of each block."""
@@ -300,7 +313,7 @@ class BlockQuantized:
         if self.name == "int8":
             x = codes.view(torch.int8).float()
         else:
-            pairs = self._tables(codes.device)[1]
+            pairs = self._tables(codes.device)[0]
             x = torch.nn.functional.embedding(codes.to(torch.int32), pairs).view(blocks, self.BLOCK)
         return (x * scales[:, None]).reshape(-1)[:n].to(dtype)
 
@@ -369,15 +382,18 @@ class ErrorFeedback:
             return residual.add_(u)
         return residual.add_(tensor, alpha=scale)
 
-    def update(self, key: Any, corrected: torch.Tensor, codec: Codec, payload: torch.Tensor, ctx: Any) -> None:
-        """Keep in `corrected` (the buffer `correct` returned) what `payload` did not carry."""
+    def update(
+        self, key: Any, corrected: torch.Tensor, codec: Codec, payload: torch.Tensor, ctx: Any
+    ) -> torch.Tensor | None:
+        """Keep in `corrected` (the buffer `correct` returned) what `payload` did not carry; returns `payload` decoded
+        (None for a sparse codec), which the sum of the gathered payloads can reuse."""
         mask = bool(self.momentum) and self.masking
         zero_sent = getattr(codec, "zero_sent", None)
         if zero_sent is not None:  # sparse codecs send some elements exactly and nothing of the rest
             zero_sent(corrected, payload, ctx)
             if mask:
                 zero_sent(self.velocities[key], payload, ctx)
-            return
+            return None
         sent = codec.decompress(payload, ctx)
         if mask:
             self.velocities[key].masked_fill_(sent != 0, 0.0)
@@ -388,6 +404,7 @@ class ErrorFeedback:
             corrected.nan_to_num_(0.0, 0.0, 0.0)
             if self.momentum:
                 self.velocities[key].nan_to_num_(0.0, 0.0, 0.0)
+        return sent
 
     def clear(self, key: Any) -> None:
         """Forget what `key`'s residual (and velocity) held: after an exact exchange, or a non-finite one."""

@@ -72,12 +72,13 @@ class Pending:
             corrected = tensor.mul_(scale) if scale != 1.0 else tensor
             self.scaled = True
         self.payload, self.ctx = codec.compress(corrected, key)
+        self.mine = None  # this rank's payload decoded, where feedback already did it
         if feedback is not None:
-            feedback.update(key, corrected, codec, self.payload, self.ctx)
+            self.mine = feedback.update(key, corrected, codec, self.payload, self.ctx)
             adaptive = getattr(codec, "adaptive", None)
             if adaptive is not None:  # `corrected` now holds what waits: the residual
                 adaptive.measure(key, corrected, tensor, scale, group)
-        self.size = dist.get_world_size(group)
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.sent = received_bytes(self.payload, codec.summable, self.size)
         self.collective = span_name or ("allreduce" if codec.summable else "allgather")
         self.issued = time.perf_counter() if self.trace is not None else 0.0
@@ -100,7 +101,8 @@ class Pending:
         if self.check and not finite(self.codec, self.parts):
             note_overflow(self.codec, self.key)
             return self._exact()
-        total = decode(self.codec, self.parts, self.ctx, self.out)
+        decoded = {self.rank: self.mine} if self.mine is not None and not self.codec.summable else {}
+        total = decode(self.codec, self.parts, self.ctx, self.out, decoded)
         if self.trace is not None:
             self.trace.span("decode", arrived, time.perf_counter(), timeline.bucket_track(self.key))
         return Outcome(total, self.sent)
@@ -202,15 +204,28 @@ def start_exchange(
     return Pending(codec, feedback, tensor, key, group, scale, out, span_name, velocity, check)
 
 
-def decode(codec: Codec, parts: list[torch.Tensor], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The sum of decoded payloads (into `out` when the codec can accumulate)."""
+def decode(
+    codec: Codec,
+    parts: list[torch.Tensor],
+    ctx: Any,
+    out: torch.Tensor | None = None,
+    decoded: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The sum of decoded payloads (into `out` when the codec can accumulate); `decoded`: parts already decoded, by
+    index (used up: the sum may be made in one of them), the same bits as decoding them again."""
     accumulate = getattr(codec, "accumulate", None) if out is not None else None
     if accumulate is not None:
         out.zero_()
         for part in parts:
             accumulate(part, ctx, out)
         return out
-    total = codec.decompress(parts[0], ctx)
-    for part in parts[1:]:
-        total += codec.decompress(part, ctx)
+    decoded = decoded or {}
+
+    def value(index: int) -> torch.Tensor:
+        known = decoded.get(index)
+        return codec.decompress(parts[index], ctx) if known is None else known
+
+    total = value(0)
+    for index in range(1, len(parts)):
+        total += value(index)
     return total
