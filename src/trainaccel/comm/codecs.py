@@ -315,7 +315,7 @@ class BlockQuantized:
         else:
             pairs = self._tables(codes.device)[0]
             x = torch.nn.functional.embedding(codes.to(torch.int32), pairs).view(blocks, self.BLOCK)
-        return (x * scales[:, None]).reshape(-1)[:n].to(dtype)
+        return x.mul_(scales[:, None]).reshape(-1)[:n].to(dtype)  # in place: x is the lookup's own
 
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk", "int8", "fp4")

@@ -553,8 +553,12 @@ class OuterSync:
         measuring = self._auto is not None and self._auto.measuring  # auto's first round waits for its syncs
         overlapped = outer and self.overlap > 0 and not measuring
         snapshot = None  # what the steps taken while the exchange runs are measured from
-        if overlapped:
-            snapshot = torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
+        if overlapped:  # `values` is a copy of its own, used no more here: it is the snapshot when there are no buffers
+            snapshot = (
+                torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
+                if buffers is not None
+                else values
+            )
         job = comm_thread().submit(average, values.device)  # on a GPU: after this step's work, on the thread's stream
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
@@ -629,7 +633,10 @@ class OuterSync:
                     tensor.copy_(value.view_as(tensor))
                 else:
                     value = value.to(tensor.device, non_blocking=True).view_as(tensor)
-                    tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value))
+                    if tensor.dtype == torch.float32:  # in place: the same float32 operations, without a copy
+                        tensor.sub_(before.view_as(tensor)).add_(value)
+                    else:  # in float32, rounded once to the tensor's dtype
+                        tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value))
         if outer and buffers is not None:
             self._synced_buffers = [b.clone() for b in buffers.split(sizes(fragment.buffers))]
         if outer:
