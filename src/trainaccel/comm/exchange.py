@@ -78,7 +78,9 @@ class Pending:
             adaptive = getattr(codec, "adaptive", None)
             if adaptive is not None:  # `corrected` now holds what waits: the residual
                 adaptive.measure(key, corrected, tensor, scale, group)
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        # The group's own rank: on_lost_replica's member groups are built from the store, unknown to get_rank().
+        self.rank = group.rank() if group is not None else dist.get_rank()
         self.sent = received_bytes(self.payload, codec.summable, self.size)
         self.collective = span_name or ("allreduce" if codec.summable else "allgather")
         self.issued = time.perf_counter() if self.trace is not None else 0.0
