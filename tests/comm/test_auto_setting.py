@@ -116,6 +116,7 @@ resumed.load_state_dict(saved)
 outer = diloco.outer
 result = {
     "setting": [outer.interval, len(outer.fragments), outer.overlap, outer._codec.name],
+    "feedback": outer._feedback is not None,
     "resumed": [resumed.outer.interval, len(resumed.outer.fragments), resumed.outer.overlap, resumed.outer._codec.name],
     "syncs": outer.syncs,
     "params": [float(p.double().sum()) for p in model.parameters()],
@@ -127,13 +128,15 @@ dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("options", [{}, {"sync_fragments": 2}])
-def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, options):
+@pytest.mark.parametrize(
+    "options, env", [({}, {}), ({"sync_fragments": 2}, {}), ({}, {"TRAINACCEL_OUTER_COMPRESSION": "bf16"})]
+)
+def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, options, env):
     script = tmp_path / "auto.py"
     script.write_text(textwrap.dedent(SCRIPT))
     proc = run(
         [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, script, tmp_path, json.dumps(options)],
-        env={"TRAINACCEL_LOG_LEVEL": "info"},
+        env={"TRAINACCEL_LOG_LEVEL": "info", **env},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -141,12 +144,15 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     assert first["params"] == second["params"]  # sync() averaged them: the same bits
     interval, fragments, overlap, _ = first["setting"]
     assert overlap == 1 and 1 <= fragments <= 4 and fragments <= interval <= H_CAP
-    if options:
+    if "sync_fragments" in options:
         assert fragments == 2
     assert first["resumed"][1:] == first["setting"][1:]  # the checkpoint's fragments, overlap and codec
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
-    first_choice = [line for line in said if "full-precision sync" in line]
+    first_choice = [line for line in said if "a bf16 sync" in line]  # the measuring round's codec
     assert len(first_choice) == 1, said  # once, from rank 0
     assert len(said) == len(set(said)), said  # each change said once
-    if options:
+    if "sync_fragments" in options:
         assert "2 fragments (set)" in first_choice[0]
+    if env:
+        # The measuring round's bf16 carries no residual; the user's bf16 after it has error feedback.
+        assert first["setting"][3] == "bf16" and "bf16 (set)" in first_choice[0] and first["feedback"]
