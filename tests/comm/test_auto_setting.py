@@ -148,11 +148,11 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
         assert fragments == 2
     assert first["resumed"][1:] == first["setting"][1:]  # the checkpoint's fragments, overlap and codec
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
-    first_choice = [line for line in said if "a bf16 sync" in line]  # the measuring round's codec
+    first_choice = [line for line in said if "full-precision sync" in line]  # the measuring round's codec
     assert len(first_choice) == 1, said  # once, from rank 0
     assert len(said) == len(set(said)), said  # each change said once
     if "sync_fragments" in options:
         assert "2 fragments (set)" in first_choice[0]
     if env:
-        # The measuring round's bf16 carries no residual; the user's bf16 after it has error feedback.
+        # The user's lossy codec, taken after the measuring round, has error feedback.
         assert first["setting"][3] == "bf16" and "bf16 (set)" in first_choice[0] and first["feedback"]

@@ -1,10 +1,9 @@
 """`sync_every=auto`'s policy: the interval, fragments, overlap and outer codec from a measured step and sync.
 
-The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a bf16 exchange
-(`MEASURING_CODEC`: half full precision's bytes; its rounding, under 2^-8 of that one change, is not carried). From the
-slowest rank's step time and the least any rank waited for that exchange (the others also waited for the slowest to
-arrive), `choose()` picks the setting once; each later round's exchanges, timed on the communication thread, re-choose
-the interval only (`rechoose()`): fragments and codec change where it is exact.
+The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a full-precision
+exchange (`MEASURING_CODEC`). From the slowest rank's step time and the least any rank waited for that exchange (the
+others also waited for the slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on
+the communication thread, re-choose the interval only (`rechoose()`): fragments and codec change where it is exact.
 
 - outer codec: the least lossy of none, bf16, int8, fp4 whose whole-model sync fits in one inner step (fp4 if none
   does): one step of overlap can then hide it.
@@ -24,7 +23,9 @@ from typing import Any
 from trainaccel.comm.codecs import get_codec
 
 FIRST = 4  # the measuring round's inner steps
-MEASURING_CODEC = "bf16"  # the measuring round's: at 100 Mbit/s a full-precision sync took 2-3% of a 300-step run
+# The measuring round's codec. bf16 would halve its wait (2-3% of a 300-step run at 100 Mbit/s) but measured the link
+# at 33-40 MB/s where full precision measured 56 (500 Mbit/s, 3 nodes): its fixed costs weigh more on half the bytes.
+MEASURING_CODEC = "none"
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H
 SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap

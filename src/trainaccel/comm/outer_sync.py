@@ -88,7 +88,7 @@ class _Auto:
         "free": "the options left to auto (auto_setting.left_to_auto); the others are the user's",
         "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
         "fp16_scale": "Config's fp16_scale, for the codec in use",
-        "measuring": "the first round: its syncs wait for a bf16 exchange (MEASURING_CODEC), which is timed",
+        "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
         "setting": "the auto_setting.Setting in use (None while measuring)",
         "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
@@ -210,7 +210,7 @@ class OuterSync:
         self._codec = configured = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
         self._auto = _Auto(config) if self.sync_every == "auto" else None
-        if self._auto is not None:  # the measuring round's syncs: no residual carried past it (bf16 drops < 2^-8)
+        if self._auto is not None:  # the measuring round's syncs: full precision, no residual to carry past it
             self._codec, self._feedback = get_codec(auto_setting.MEASURING_CODEC), None
         self._engine_group = engine_group(self.group)
         self.live_is_synced, self._synced_buffers = False, []
@@ -442,12 +442,13 @@ class OuterSync:
 
     def _take(self, setting: auto_setting.Setting) -> None:
         """auto's first choice, right after the measuring round's whole-model sync: fragments re-split (each tensor
-        keeps its anchor and outer momentum), the codec (no residual yet: the measuring syncs carried none), overlap."""
+        keeps its anchor and outer momentum), the codec (no residual yet: the syncs so far were exact), overlap."""
         auto = self._auto
         auto.measuring, auto.skip = False, True
         if setting.fragments != len(self._fragments):
             self._split(setting.fragments)
-        self._use_codec(setting.codec)  # even bf16 again: error feedback from here on
+        if setting.codec != self._codec.name:
+            self._use_codec(setting.codec)
         self.overlap, self.interval = setting.overlap, setting.interval
         auto.say(setting)
 
@@ -470,11 +471,10 @@ class OuterSync:
             self._fragments.append(fragment)
             done += len(run)
 
-    def _use_codec(self, name: str, feedback: bool = True) -> None:
-        """The outer codec from now on, with fresh error feedback if lossy and `feedback` (call where no residual is
-        held)."""
+    def _use_codec(self, name: str) -> None:
+        """The outer codec from now on, with fresh error feedback (call where no residual is held)."""
         self._codec = get_codec(name, fp16_scale=self._auto.fp16_scale)
-        self._feedback = ErrorFeedback() if self._codec.lossy and feedback else None
+        self._feedback = ErrorFeedback() if self._codec.lossy else None
         if self._hierarchy is not None:
             self._hierarchy = HierarchicalReduce(self._hierarchy.topology, self._codec, self._feedback, check=True)
 
@@ -488,13 +488,14 @@ class OuterSync:
             self._split(state["sync_fragments"])
         self.overlap = state["sync_overlap"]
         codec = auto_setting.MEASURING_CODEC if auto.measuring else state["outer_compression"]
-        self._use_codec(codec, feedback=not auto.measuring)
+        if codec != self._codec.name:
+            self._use_codec(codec)
         if not auto.measuring:
             fragments = len(self._fragments)
             auto.say(auto_setting.Setting(state["interval"], fragments, self.overlap, codec, "from the checkpoint"))
 
     def _codec_setting(self) -> str:
-        """The outer codec as set: auto's measuring round syncs in bf16, but the setting is unchanged."""
+        """The outer codec as set: auto's measuring round syncs in full precision, but the setting is unchanged."""
         return self._auto.given_codec if self._auto is not None and self._auto.measuring else self._codec.name
 
     def _start(self) -> None:
