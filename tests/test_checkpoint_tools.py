@@ -271,6 +271,8 @@ def lightning_trainer(folder: Path, steps: int, callbacks: list) -> Any:
     )
 
 
+# Importing Lightning may start a process: with matplotlib installed, its first import scans the fonts (fc-list).
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("option", OPTIONS)
 def test_lightning_save_checkpoint_and_fit_from_it_restore_the_engine_state(option, tmp_path, trainaccel_messages):
     """`trainer.save_checkpoint` keeps `lightning_module.state_dict()` (its metadata too, torch.save pickles it);

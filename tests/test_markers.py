@@ -77,6 +77,13 @@ def test_run():
 """
 
 
+@pytest.fixture(autouse=True)
+def only_the_named_plugins(monkeypatch):
+    """The runs inside load conftest.py alone: an installed plugin may start a process while pytest configures
+    (pytest-benchmark runs git), inside this file's unmarked tests."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
 def test_an_unmarked_test_that_starts_a_process_fails_before_starting_it(pytester):
     pytester.makeini(INI)
     pytester.makepyfile(test_unmarked=UNMARKED)

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from trainaccel.context import patch
+
 # Plain allreduce for at least the first START_STEP steps (torch refuses fewer with error feedback
 # or warm start on); it also lets DDP rebuild its buckets before PowerSGD keeps per-bucket state.
 START_STEP = 2
@@ -15,6 +17,8 @@ def powersgd_state(
     process_group: dist.ProcessGroup | None, rank: int, seed: int = 0, start: int = START_STEP
 ) -> PowerSGDState:
     """PowerSGD of `rank` with error feedback and warm start, compressing after `start` (at least 2) steps."""
+    if torch.cuda.is_available():
+        _synchronize_cuda_devices_only()
     return PowerSGDState(
         process_group=process_group,
         matrix_approximation_rank=rank,
@@ -38,6 +42,25 @@ def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torc
     result = powerSGD_hook(state, bucket).wait()
     numel = state.total_numel_after_compression - before if compressing else buffer.numel()
     return result, numel * buffer.element_size()
+
+
+def _synchronize_cuda_devices_only() -> None:
+    """Make `torch.cuda.synchronize` pass over a CPU device, until `shutdown()`.
+
+    torch's PowerSGD hook synchronizes the bucket's device whenever CUDA is available, which fails for a model on the
+    CPU of a machine with a GPU ("Expected a cuda device, but got: cpu"); a CPU tensor has no CUDA work to wait for.
+    """
+    synchronize = torch.cuda.synchronize
+    if getattr(synchronize, "passes_over_cpu", False):
+        return
+
+    def synchronize_cuda_only(device=None) -> None:
+        if isinstance(device, torch.device) and device.type != "cuda":
+            return None
+        return synchronize(device)
+
+    synchronize_cuda_only.passes_over_cpu = True
+    patch(torch.cuda, "synchronize", synchronize_cuda_only)
 
 
 def forget_bucket(state: PowerSGDState, index: int) -> None:
