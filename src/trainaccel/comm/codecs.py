@@ -4,7 +4,8 @@ A codec sees a flat gradient buffer already divided by the world size. When `sum
 payloads of all workers are summed by allreduce and decoded once; otherwise each worker's
 payload is gathered, decoded and the results summed. What a lossy codec drops is kept by
 `ErrorFeedback` and added into the next step. Sparse codecs also offer `accumulate` (add a
-decoded payload into a tensor) and `zero_sent`, which spare full-size temporaries, and `values`
+decoded payload into a tensor) and `zero_sent`, which spare full-size temporaries, as the casts'
+`decompress_into` does, and `values`
 (the part of a payload holding values, for the finiteness check). A payload never shares memory
 with the tensor it encodes: error feedback changes that tensor after compressing it.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -89,7 +91,18 @@ class CastCompression:
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         dtype, scale = ctx
-        out = payload.to(dtype)
+        if scale == 1.0:
+            return payload.to(dtype)
+        # Never in place on the payload: a buffer of the payload's dtype (a float16 model's) is cast to itself, and
+        # error feedback decodes the payload before it is sent.
+        return payload.to(dtype).div_(scale) if payload.dtype != dtype else payload / scale
+
+    # A full-size decoded temporary is spared: on the CPU each fresh one of more than a few MiB is new memory from the
+    # kernel, whose page faults cost several times the cast itself.
+    def decompress_into(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        """`decompress(payload, ctx)` written into `out` (of its shape and dtype)."""
+        dtype, scale = ctx
+        out.copy_(payload)
         return out.div_(scale) if scale != 1.0 else out
 
 
@@ -358,6 +371,8 @@ class ErrorFeedback:
         self.momentum, self.nesterov, self.dampening, self.masking = momentum, nesterov, dampening, masking
         self.residuals: dict[Any, torch.Tensor] = {}
         self.velocities: dict[Any, torch.Tensor] = {}
+        # (thread, device, dtype) -> a buffer for the next decode of the thread's: each thread encodes on its own.
+        self.scratches: dict[tuple, torch.Tensor] = {}
 
     def correct(
         self, key: Any, tensor: torch.Tensor, scale: float = 1.0, velocity: torch.Tensor | None = None
@@ -386,7 +401,7 @@ class ErrorFeedback:
         self, key: Any, corrected: torch.Tensor, codec: Codec, payload: torch.Tensor, ctx: Any
     ) -> torch.Tensor | None:
         """Keep in `corrected` (the buffer `correct` returned) what `payload` did not carry; returns `payload` decoded
-        (None for a sparse codec), which the sum of the gathered payloads can reuse."""
+        (None for a sparse codec, or a summed one's), which the sum of the gathered payloads can reuse."""
         mask = bool(self.momentum) and self.masking
         zero_sent = getattr(codec, "zero_sent", None)
         if zero_sent is not None:  # sparse codecs send some elements exactly and nothing of the rest
@@ -394,7 +409,13 @@ class ErrorFeedback:
             if mask:
                 zero_sent(self.velocities[key], payload, ctx)
             return None
-        sent = codec.decompress(payload, ctx)
+        decompress_into = getattr(codec, "decompress_into", None)
+        summed = decompress_into is not None and codec.summable
+        if summed:
+            # A summed payload is decoded from the sum, never this rank's own: its decode goes to a scratch buffer.
+            sent = decompress_into(payload, ctx, self._scratch(corrected))
+        else:
+            sent = codec.decompress(payload, ctx)
         if mask:
             self.velocities[key].masked_fill_(sent != 0, 0.0)
         corrected.sub_(sent)
@@ -404,7 +425,15 @@ class ErrorFeedback:
             corrected.nan_to_num_(0.0, 0.0, 0.0)
             if self.momentum:
                 self.velocities[key].nan_to_num_(0.0, 0.0, 0.0)
-        return sent
+        return None if summed else sent
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A buffer of `like`'s size, dtype and device, kept per thread for the next decode (the largest one so far)."""
+        spec = (threading.get_ident(), like.device, like.dtype)
+        buffer = self.scratches.get(spec)
+        if buffer is None or buffer.numel() < like.numel():
+            buffer = self.scratches[spec] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return buffer[: like.numel()].view_as(like)
 
     def clear(self, key: Any) -> None:
         """Forget what `key`'s residual (and velocity) held: after an exact exchange, or a non-finite one."""

@@ -166,8 +166,20 @@ def needs_check(codec: Codec, check: bool | None = None) -> bool:
 
 def finite(codec: Codec, parts: list[torch.Tensor]) -> bool:
     """Whether every payload's values are finite: one read on the host, however many parts were gathered."""
-    flags = [_values(codec, part).isfinite().all() for part in parts]
+    flags = [all_finite(_values(codec, part)) for part in parts]
     return bool(flags[0] if len(flags) == 1 else torch.stack(flags).all())
+
+
+def all_finite(values: torch.Tensor) -> torch.Tensor:
+    """`values.isfinite().all()`, on the device, without that full-size mask (on the CPU a large fresh one costs page
+    faults, and the mask's pass is slow): the least and the greatest value are finite exactly when all are (a NaN
+    anywhere makes both NaN)."""
+    if values.is_complex():
+        return values.isfinite().all()
+    if not values.is_floating_point() or values.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=values.device)
+    low, high = torch.aminmax(values)
+    return low.isfinite() & high.isfinite()
 
 
 def note_overflow(codec: Codec, key: Any) -> None:
@@ -215,6 +227,10 @@ def decode(
 ) -> torch.Tensor:
     """The sum of decoded payloads (into `out` when the codec can accumulate); `decoded`: parts already decoded, by
     index (used up: the sum may be made in one of them), the same bits as decoding them again."""
+    if out is not None and len(parts) == 1 and not decoded:
+        decompress_into = getattr(codec, "decompress_into", None)
+        if decompress_into is not None:
+            return decompress_into(parts[0], ctx, out)
     accumulate = getattr(codec, "accumulate", None) if out is not None else None
     if accumulate is not None:
         out.zero_()

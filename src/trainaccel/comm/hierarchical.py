@@ -19,6 +19,7 @@ from trainaccel.comm.codecs import Codec, ErrorFeedback, NoCompression
 from trainaccel.comm.exchange import (
     EXACT,
     NOT_FINITE,
+    all_finite,
     all_gather_single,
     needs_check,
     note_overflow,
@@ -136,7 +137,7 @@ class HierarchicalReduce:
             work = reduce_scatter_single(shard_payload, payload, group=group, async_op=True)
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
-            if needs_check(self.intra_codec, self.check) and not bool(payload.isfinite().all()):
+            if needs_check(self.intra_codec, self.check) and not bool(all_finite(payload)):
                 # The whole node sees this sum: every worker of it retries exactly, alike.
                 note_overflow(self.intra_codec, key)
                 if self.intra_feedback is not None:
@@ -192,7 +193,7 @@ class HierarchicalReduce:
 
         def finish() -> tuple[torch.Tensor, tuple[str, str] | None]:
             fallback = None
-            if needs_check(self.intra_codec, self.check) and not bool(gathered.isfinite().all()):
+            if needs_check(self.intra_codec, self.check) and not bool(all_finite(gathered)):
                 note_overflow(self.intra_codec, key)
                 exact = shard.new_empty(shard.numel() * local_size)
                 all_gather_single(exact, shard.contiguous(), group=group)

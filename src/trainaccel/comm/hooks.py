@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
-from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_gather_single, say_fallback, start_exchange
+from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_finite, all_gather_single, say_fallback, start_exchange
 from trainaccel.comm.exit_guard import track
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.momentum import MovedMomentum, bucket_velocity
@@ -425,7 +425,7 @@ def _powersgd_bucket(state: CommState, bucket: dist.GradBucket, step: int) -> to
     original = bucket.buffer().clone()  # torch's hook changes the buffer in place: kept for an exact retry
     result, sent = powersgd_reduce(state.powersgd, bucket)  # divides by the world size itself
     state.flat_bytes_sent += sent
-    if bool(result.isfinite().all()):
+    if bool(all_finite(result)):
         return result
     forget_bucket(state.powersgd, bucket.index())
     exact = _exact(state, original)
@@ -440,7 +440,7 @@ def _note_fallback(state: CommState, where: str, step: int, fallback: str) -> No
 
 
 def _check_finite(state: CommState, bucket: dist.GradBucket, result: torch.Tensor) -> None:
-    if bool(torch.isfinite(result.coalesce().values() if result.is_sparse else result).all()):
+    if bool(all_finite(result.coalesce().values() if result.is_sparse else result)):
         return
     bad, offset = [], 0
     if result.is_sparse:  # DDP gives a sparse gradient a bucket of its own
