@@ -101,7 +101,7 @@ class CastCompression:
     # kernel, whose page faults cost several times the cast itself.
     def decompress_into(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> torch.Tensor:
         """`decompress(payload, ctx)` written into `out` (of its shape and dtype)."""
-        dtype, scale = ctx
+        _, scale = ctx
         out.copy_(payload)
         return out.div_(scale) if scale != 1.0 else out
 
