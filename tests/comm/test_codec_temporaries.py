@@ -24,7 +24,7 @@ def gradient(dtype: torch.dtype) -> torch.Tensor:
     return g.to(dtype)
 
 
-def codec(name: str, scale: float) -> CastCompression:
+def codec(name: str, scale: float | str) -> CastCompression:  # a number, or "dynamic"
     return CastCompression(name, CODECS[name], scale=scale)
 
 
