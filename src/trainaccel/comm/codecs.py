@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import threading
 from typing import Any, Protocol
 
@@ -241,19 +242,25 @@ class BlockQuantized:
     float32 scale (its largest magnitude over the largest code); decoded payloads are gathered and summed.
 
     The payload is one uint8 tensor: the scales' bytes, then the codes (two per byte for fp4). Rounding is to the
-    nearest code, so error feedback carries what it drops.
+    nearest code, so error feedback carries what it drops. On the CPU, encoding and decoding run `CHUNK` blocks at a
+    time in `workspace` buffers: no full-size temporary, the same bits as whole-tensor operations.
     """
 
     # A non-finite input makes its block's scale, hence its decoded block, non-finite; finite scales decode finite.
     summable, lossy, keeps_finiteness = False, True, True
     BLOCK = 256
+    # Blocks per chunk on the CPU: 1M values (float32 buffers of 4 MiB), large enough that the per-op overhead of a
+    # chunk's ~30 passes stays small. A GPU takes the whole tensor at once: a chunk's passes are kernel launches there.
+    CHUNK = 4096
     FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
     # The midpoints between E2M1's magnitudes are multiples of 1/4: floor(4 |x|) picks the nearest code (`_nearest`
     # computes this table's values).
     _NEAREST = torch.tensor([sum(q >= e for e in (1, 3, 5, 7, 10, 14, 20)) for q in range(25)], dtype=torch.uint8)
-    # Each byte's two values (low nibble first), signs included: decoding is one table lookup per byte.
+    # Each byte's two values (low nibble first), signs included, as the int64 of their float32 bits: decoding is one
+    # table lookup per byte.
     _SIGNED = torch.cat([FP4, -FP4])
     _PAIRS = torch.stack([_SIGNED[torch.arange(256) & 15], _SIGNED[torch.arange(256) >> 4]], dim=1)
+    _PAIRS = _PAIRS.view(torch.int64)[:, 0]
     _TOPS = torch.tensor([127.0, 6.0])  # int8's and fp4's largest codes
     # Those tables on each device that used them: (_PAIRS, _TOPS), copied there once for every instance.
     _ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -270,65 +277,155 @@ class BlockQuantized:
             raise ValueError(f"invalid block codec {name!r}; accepted: int8, fp4")
         self.name = name
         self.top = slice(0, 1) if name == "int8" else slice(1, 2)  # its largest code in _TOPS, as a 1-element view
+        self.code_bytes = self.BLOCK if name == "int8" else self.BLOCK // 2  # per block
+
+    def _chunks(self, blocks: int, device: torch.device) -> list[tuple[int, int]]:
+        step = self.CHUNK if device.type == "cpu" else max(blocks, 1)
+        return [(first, min(first + step, blocks)) for first in range(0, blocks, step)]
 
     def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
-        n = tensor.numel()
+        n, flat, device = tensor.numel(), tensor.reshape(-1), tensor.device
         blocks = -(-n // self.BLOCK)
-        x = torch.nn.functional.pad(tensor.float(), (0, blocks * self.BLOCK - n)).view(blocks, self.BLOCK)
-        # Divided by a tensor on x's device: CUDA turns a division by a Python number into a product with its
-        # reciprocal, which rounds differently from the CPU's (and IEEE's) division.
-        scales = x.abs().amax(dim=1) / self._tables(x.device)[1][self.top]
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: codes 0
-        # A non-finite input makes its block's scale non-finite, which is what the finiteness check reads; its codes
-        # must still be valid. Zeroing what is not finite after normalising changes nothing for finite input (finite
-        # over a finite, positive scale stays finite) and asks the host nothing: no sync on a GPU.
-        if self.name == "int8":
-            x = (x / safe[:, None]).nan_to_num_(0.0, 0.0, 0.0)
-            codes = x.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
-        else:
-            # (not x * (4 / safe): a subnormal scale's reciprocal overflows)
-            x = (x / safe[:, None]).mul_(4.0).nan_to_num_(0.0, 0.0, 0.0)
-            code = self._nearest(x.abs().clamp_(max=24.0).to(torch.uint8))
-            code |= (x < 0).view(torch.uint8) << 3
-            codes = (code[:, 0::2] | (code[:, 1::2] << 4)).reshape(-1)
-        payload = torch.cat([scales.view(torch.uint8), codes])
+        payload = torch.empty(blocks * (4 + self.code_bytes), dtype=torch.uint8, device=device)
+        scales = payload[: 4 * blocks].view(torch.float32)
+        codes = payload[4 * blocks :].view(blocks, self.code_bytes)
+        top = self._tables(device)[1][self.top]
+        for first, last in self._chunks(blocks, device):
+            shape, values = (last - first, self.BLOCK), flat[first * self.BLOCK : last * self.BLOCK]
+            x = workspace("block.x", shape[0] * self.BLOCK, torch.float32, device)
+            x[: values.numel()].copy_(values)
+            x[values.numel() :].zero_()  # the last block's padding
+            x, spare = x.view(shape), workspace("block.spare", x.numel(), torch.float32, device).view(shape)
+            # Divided by a tensor on x's device: CUDA turns a division by a Python number into a product with its
+            # reciprocal, which rounds differently from the CPU's (and IEEE's) division.
+            scale = torch.amax(torch.abs(x, out=spare), dim=1, out=scales[first:last]).div_(top)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: codes 0
+            # A non-finite input makes its block's scale non-finite, which is what the finiteness check reads; its
+            # codes must still be valid. Zeroing what is not finite after normalising changes nothing for finite input
+            # (finite over a finite, positive scale stays finite) and asks the host nothing: no sync on a GPU.
+            if self.name == "int8":
+                x = torch.div(x, safe[:, None], out=spare).nan_to_num_(0.0, 0.0, 0.0)
+                codes[first:last].view(torch.int8).copy_(x.round_().clamp_(-127, 127))
+            else:
+                # (not x * (4 / safe): a subnormal scale's reciprocal overflows)
+                x = torch.div(x, safe[:, None], out=spare).mul_(4.0).nan_to_num_(0.0, 0.0, 0.0)
+                self._fp4_codes(x.clamp_(-24.0, 24.0), codes[first:last])
         return payload, (n, tensor.dtype, blocks)
 
+    def _fp4_codes(self, quarters: torch.Tensor, out: torch.Tensor) -> None:
+        """Pack fp4 codes into `out` (two per byte, low nibble first) for float32 `quarters` (4 x / scale, within
+        +-24; used up): the sign bit where x < 0, and `_nearest`'s magnitude of floor(4 |x|).
+
+        The passes are the ones a CPU runs fast: a float comparison, a float to uint8 conversion or a strided pack
+        each cost several uint8 passes.
+        """
+        shape, device = quarters.shape, quarters.device
+        # The sign bit of float32 is that of x < 0 once -0.0 (not below 0) is made +0.0, as adding +0.0 does.
+        bits = workspace("fp4.bits", quarters.numel(), torch.int32, device).view(shape)
+        torch.bitwise_right_shift(quarters.add_(0.0).view(torch.int32), 31, out=bits)  # -1 or 0
+        sign = workspace("fp4.sign", quarters.numel(), torch.uint8, device).view(shape)
+        sign.copy_(bits).bitwise_and_(8)  # -1 narrows to 255
+        code = workspace("fp4.code", quarters.numel(), torch.uint8, device).view(shape)
+        # Converted to int8 the values are truncated toward zero: floor(4 |x|) once their sign is dropped.
+        magnitude = workspace("fp4.magnitude", quarters.numel(), torch.int8, device).view(shape)
+        magnitude.copy_(quarters).abs_()
+        term = workspace("fp4.term", quarters.numel(), torch.uint8, device).view(shape)
+        code = self._nearest(magnitude.view(torch.uint8), code, term).bitwise_or_(sign)
+        if _LITTLE_ENDIAN:
+            # Each pair of codes as one int16 (the first in its low byte): shifted by 4 and or-ed with itself, its low
+            # byte is the pair packed, which narrowing to uint8 keeps.
+            pairs, packed = code.view(torch.int16), term.view(torch.int16)
+            out.copy_(torch.bitwise_right_shift(pairs, 4, out=packed).bitwise_or_(pairs))
+        else:
+            torch.add(code[:, 0::2], code[:, 1::2], alpha=16, out=out)
+
     @staticmethod
-    def _nearest(quarters: torch.Tensor) -> torch.Tensor:
-        """E2M1's nearest magnitude code for each uint8 `quarters` (floor(4 |x|), at most 24): `_NEAREST`'s values.
+    def _nearest(
+        quarters: torch.Tensor, code: torch.Tensor | None = None, term: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """E2M1's nearest magnitude code for each uint8 `quarters` (floor(4 |x|), at most 24): `_NEAREST`'s values,
+        written into `code` when given (`term`: a buffer of the same size).
 
         Sums of `(q >= t)` for the midpoints t, each as `(q + 128 - t) >> 7`: uint8 arithmetic, where a table lookup
         (int64 indices) or a comparison costs a CPU several times more.
         """
-        code = ((quarters + 1) >> 1).clamp_(max=4)  # the midpoints 1, 3, 5, 7: half of q + 1, rounded down
+        # The midpoints 1, 3, 5, 7: half of q + 1, rounded down.
+        code = torch.add(quarters, 1, out=code).bitwise_right_shift_(1).clamp_(max=4)
         for midpoint in (10, 14, 20):
-            code += (quarters + (128 - midpoint)) >> 7
+            code += torch.add(quarters, 128 - midpoint, out=term).bitwise_right_shift_(7)
         return code
 
     def payload_bytes(self, n: int) -> int:
         """The bytes of one payload for `n` elements: a float32 scale and the codes of each block."""
-        return -(-n // self.BLOCK) * (4 + (self.BLOCK if self.name == "int8" else self.BLOCK // 2))
+        return -(-n // self.BLOCK) * (4 + self.code_bytes)
 
     def values(self, payload: torch.Tensor) -> torch.Tensor:
         """The scales (the finiteness check: a non-finite input makes its block's scale non-finite)."""
-        blocks = self._blocks(payload)
-        return payload[: 4 * blocks].view(torch.float32)
+        return payload[: 4 * self._blocks(payload)].view(torch.float32)
 
     def _blocks(self, payload: torch.Tensor) -> int:
-        per_block = 4 + (self.BLOCK if self.name == "int8" else self.BLOCK // 2)
-        return payload.numel() // per_block
+        return payload.numel() // (4 + self.code_bytes)
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        n, dtype, blocks = ctx
+        n, dtype, _ = ctx
+        return self.decompress_into(payload, ctx, torch.empty(n, dtype=dtype, device=payload.device))
+
+    def decompress_into(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        """`decompress(payload, ctx)` written into `out` (contiguous, of its size and dtype)."""
+        self._decode(payload, ctx[2], out.view(-1), add=False)
+        return out
+
+    def accumulate(self, payload: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
+        """Add the decoded payload into `out` (contiguous, of its size and dtype): `out += decompress(payload, ctx)`'s
+        bits."""
+        self._decode(payload, ctx[2], out.view(-1), add=True)
+
+    def _decode(self, payload: torch.Tensor, blocks: int, flat: torch.Tensor, add: bool) -> None:
         scales = payload[: 4 * blocks].view(torch.float32)
-        codes = payload[4 * blocks :].view(blocks, -1)
-        if self.name == "int8":
-            x = codes.view(torch.int8).float()
-        else:
-            pairs = self._tables(codes.device)[0]
-            x = torch.nn.functional.embedding(codes.to(torch.int32), pairs).view(blocks, self.BLOCK)
-        return x.mul_(scales[:, None]).reshape(-1)[:n].to(dtype)  # in place: x is the lookup's own
+        codes = payload[4 * blocks :].view(blocks, self.code_bytes)
+        device = payload.device
+        for first, last in self._chunks(blocks, device):
+            count, target = last - first, flat[first * self.BLOCK : last * self.BLOCK]
+            # In float32, then rounded once to the output's dtype (as decompress's `.to(dtype)`); straight into the
+            # output where nothing is left to do after the product.
+            direct = not add and flat.dtype == torch.float32 and target.numel() == count * self.BLOCK
+            direct = direct and target.storage_offset() % 2 == 0  # viewed as int64 below
+            x = target if direct else workspace("block.decoded", count * self.BLOCK, torch.float32, device)
+            if self.name == "int8":
+                x.view(count, self.BLOCK).copy_(codes[first:last].view(torch.int8))
+            else:
+                # Each byte's two float32 values as one int64: a gather of one 8-byte word per byte, several times
+                # faster on a CPU than of a row of two floats.
+                index = workspace("block.index", count * self.code_bytes, torch.int64, device)
+                index.copy_(codes[first:last].reshape(-1))
+                torch.index_select(self._tables(device)[0], 0, index, out=x.view(torch.int64))
+            x.view(count, self.BLOCK).mul_(scales[first:last, None])
+            if direct:
+                continue
+            values = x[: target.numel()]
+            if not add:
+                target.copy_(values)
+            else:
+                target.add_(values if flat.dtype == torch.float32 else values.to(flat.dtype))
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of `numel` elements: on the CPU this thread's `name` buffer, kept for its next call (a fresh large
+    CPU tensor is new memory from the kernel, whose page faults cost more than a pass over it); elsewhere a fresh
+    tensor (a GPU's caching allocator already reuses its blocks, in its stream's order)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffers = getattr(_WORKSPACES, "buffers", None)
+    if buffers is None:
+        buffers = _WORKSPACES.buffers = {}
+    buffer = buffers.get((name, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
+_WORKSPACES = threading.local()  # each thread's `workspace` buffers, freed with the thread
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 CODECS = ("none", "fp16", "bf16", "topk", "randomk", "int8", "fp4")

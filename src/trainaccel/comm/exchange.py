@@ -210,7 +210,7 @@ def start_exchange(
     """Start summing `scale * tensor` over `group` through `codec` (error feedback keyed by `key`).
 
     `velocity` starts the feedback's momentum for `key` if it has none. `tensor` is scaled in place
-    only without feedback. A codec with `accumulate` decodes into
+    only without feedback. A codec with `accumulate` or `decompress_into` decodes into
     `out` when given (a tensor of `tensor`'s shape whose values are no longer needed). With a
     timeline open, `key`'s track gets encode, `span_name` (default: the collective) and decode spans. `check`: read
     the sum's finiteness on the host for the exact retry always (True), or where the codec needs it (None).
@@ -225,25 +225,26 @@ def decode(
     out: torch.Tensor | None = None,
     decoded: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The sum of decoded payloads (into `out` when the codec can accumulate); `decoded`: parts already decoded, by
-    index (used up: the sum may be made in one of them), the same bits as decoding them again."""
-    if out is not None and len(parts) == 1 and not decoded:
-        decompress_into = getattr(codec, "decompress_into", None)
-        if decompress_into is not None:
-            return decompress_into(parts[0], ctx, out)
-    accumulate = getattr(codec, "accumulate", None) if out is not None else None
-    if accumulate is not None:
+    """The sum of decoded payloads, in the parts' order (into `out` when the codec can decode into it); `decoded`:
+    parts already decoded, by index (used up: the sum may be made in one of them), the same bits as decoding them
+    again. Sparse codecs add each part into a zeroed `out`; the others start from the first part's values."""
+    decoded = decoded or {}
+    into = getattr(codec, "decompress_into", None)
+    accumulate = getattr(codec, "accumulate", None)
+    if out is not None and into is None and accumulate is not None:
         out.zero_()
         for part in parts:
             accumulate(part, ctx, out)
         return out
-    decoded = decoded or {}
-
-    def value(index: int) -> torch.Tensor:
+    total = decoded.get(0)
+    if total is None:
+        total = into(parts[0], ctx, out) if out is not None and into is not None else codec.decompress(parts[0], ctx)
+    for index in range(1, len(parts)):  # in order, on every rank: the same bits everywhere, NaNs' included
         known = decoded.get(index)
-        return codec.decompress(parts[index], ctx) if known is None else known
-
-    total = value(0)
-    for index in range(1, len(parts)):
-        total += value(index)
+        if known is not None:
+            total += known
+        elif accumulate is not None and into is not None:  # a dense codec's, without a decoded temporary
+            accumulate(parts[index], ctx, total)
+        else:
+            total += codec.decompress(parts[index], ctx)
     return total

@@ -587,7 +587,9 @@ class OuterSync:
                 feedback.residuals.pop(key, None)
                 if kept is not None:
                     feedback.residuals[key] = kept.clone()
-            outcome = start_exchange(codec, feedback, change.div(members), key, group, check=True).finish()
+            share = change.div(members)
+            out = share if feedback is not None else None  # folded into the residual: the sum may be decoded into it
+            outcome = start_exchange(codec, feedback, share, key, group, out=out, check=True).finish()
             mean, sent, mine = outcome.result.float(), outcome.sent, None
             if buffers is not None:
                 mine = buffers.div(members)
@@ -803,7 +805,8 @@ def _average(
     else:
         # check=True: a sync every few steps can afford the host read, and the exact retry's sum names only the
         # parameters that were not finite (a block codec's would spread them over their blocks).
-        outcome = start_exchange(codec, feedback, change, key, group, check=True).finish()
+        out = change if feedback is not None else None  # folded into the residual: the sum may be decoded into it
+        outcome = start_exchange(codec, feedback, change, key, group, out=out, check=True).finish()
         mean, sent = outcome.result.float(), outcome.sent
     if buffers is not None:
         dist.all_reduce(buffers, group=group)
