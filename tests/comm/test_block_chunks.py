@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 
-from trainaccel.comm import codecs
 from trainaccel.comm.codecs import BlockQuantized, ErrorFeedback, workspace
 from trainaccel.comm.exchange import decode
 
@@ -131,8 +130,3 @@ def test_a_workspace_is_kept_per_thread_and_name_and_grows_to_the_largest_reques
     assert elsewhere[0].data_ptr() != grown.data_ptr()  # another thread's own buffer
     meta = workspace("test.a", 100, torch.float32, torch.device("meta"))
     assert meta.device.type == "meta"  # off the CPU: a fresh tensor each time
-
-
-def test_workspaces_are_module_state_of_the_codecs_only():
-    # Held by a thread-local: nothing for init()/shutdown() to reset, freed with the thread that used it.
-    assert isinstance(codecs._WORKSPACES, threading.local)

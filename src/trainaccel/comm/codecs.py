@@ -468,8 +468,6 @@ class ErrorFeedback:
         self.momentum, self.nesterov, self.dampening, self.masking = momentum, nesterov, dampening, masking
         self.residuals: dict[Any, torch.Tensor] = {}
         self.velocities: dict[Any, torch.Tensor] = {}
-        # (thread, device, dtype) -> a buffer for the next decode of the thread's: each thread encodes on its own.
-        self.scratches: dict[tuple, torch.Tensor] = {}
 
     def correct(
         self, key: Any, tensor: torch.Tensor, scale: float = 1.0, velocity: torch.Tensor | None = None
@@ -509,8 +507,9 @@ class ErrorFeedback:
         decompress_into = getattr(codec, "decompress_into", None)
         summed = decompress_into is not None and codec.summable
         if summed:
-            # A summed payload is decoded from the sum, never this rank's own: its decode goes to a scratch buffer.
-            sent = decompress_into(payload, ctx, self._scratch(corrected))
+            # A summed payload is decoded from the sum, never this rank's own: its decode goes to the thread's buffer.
+            sent = workspace("feedback.sent", corrected.numel(), corrected.dtype, corrected.device)
+            sent = decompress_into(payload, ctx, sent.view_as(corrected))
         else:
             sent = codec.decompress(payload, ctx)
         if mask:
@@ -523,14 +522,6 @@ class ErrorFeedback:
             if self.momentum:
                 self.velocities[key].nan_to_num_(0.0, 0.0, 0.0)
         return None if summed else sent
-
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of `like`'s size, dtype and device, kept per thread for the next decode (the largest one so far)."""
-        spec = (threading.get_ident(), like.device, like.dtype)
-        buffer = self.scratches.get(spec)
-        if buffer is None or buffer.numel() < like.numel():
-            buffer = self.scratches[spec] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return buffer[: like.numel()].view_as(like)
 
     def clear(self, key: Any) -> None:
         """Forget what `key`'s residual (and velocity) held: after an exact exchange, or a non-finite one."""
