@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm.codecs import CODECS, ErrorFeedback, get_codec
-from trainaccel.comm.exchange import start_exchange
+from trainaccel.comm.codecs import CODECS, BlockQuantized, ErrorFeedback, get_codec
+from trainaccel.comm.exchange import decode, start_exchange
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +34,26 @@ def test_a_round_trip_on_the_gpu_stays_there_and_decodes_as_on_the_cpu(name, dev
     expected = on_cpu.decompress(*on_cpu.compress(x.clone(), key=0))
     # The same rounding on both devices (IEEE division and casts, the same top-k set, the same random positions).
     assert torch.equal(decoded.cpu(), expected), f"{name} decodes differently on the GPU"
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+def test_a_block_payload_and_sum_on_the_gpu_are_the_cpus_chunked_ones(name, device):
+    """The CPU encodes and decodes in chunks of `CHUNK` blocks, the GPU each pass at once: the same bits."""
+    n = 2 * BlockQuantized.CHUNK * BlockQuantized.BLOCK + 1000  # three chunks on the CPU, the last partial
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5)) * 1e-3
+    # Zero signs, and a block whose scale is infinite (a NaN input's scale would carry that NaN's device-made bits).
+    x[:5] = torch.tensor([-0.0, 0.0, -1e-9, 6e-3, float("inf")])
+    codec = get_codec(name)
+    on_cpu, ctx = codec.compress(x)
+    on_gpu, gpu_ctx = codec.compress(x.to(device))
+    assert torch.equal(on_gpu.cpu(), on_cpu), f"{name} encodes differently on the GPU"
+    other = codec.compress(torch.randn(n, generator=torch.Generator().manual_seed(6)))[0]
+    expected = decode(codec, [on_cpu, other], ctx)
+    summed = decode(codec, [on_gpu, other.to(device)], gpu_ctx)
+    summed, nan = summed.cpu(), expected.isnan()
+    # A NaN made on the device (inf x 0) has that device's bits: its place must agree, every other value's bits.
+    assert torch.equal(summed.isnan(), nan) and bool(nan.any())
+    assert torch.equal(summed[~nan].view(torch.int32), expected[~nan].view(torch.int32))
 
 
 @pytest.mark.parametrize("name", LOSSY)
