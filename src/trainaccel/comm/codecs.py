@@ -3,10 +3,10 @@
 A codec sees a flat gradient buffer already divided by the world size. When `summable`, the
 payloads of all workers are summed by allreduce and decoded once; otherwise each worker's
 payload is gathered, decoded and the results summed. What a lossy codec drops is kept by
-`ErrorFeedback` and added into the next step. Sparse codecs also offer `accumulate` (add a
-decoded payload into a tensor) and `zero_sent`, which spare full-size temporaries, as the casts'
-`decompress_into` does, and `values`
-(the part of a payload holding values, for the finiteness check). A payload never shares memory
+`ErrorFeedback` and added into the next step. To spare full-size temporaries, sparse and block
+codecs offer `accumulate` (add a decoded payload into a tensor), casts and block codecs
+`decompress_into` (decode into a given tensor), sparse codecs `zero_sent`; `values` is the part of
+a payload holding values, for the finiteness check. A payload never shares memory
 with the tensor it encodes: error feedback changes that tensor after compressing it.
 """
 
