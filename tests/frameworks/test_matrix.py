@@ -29,6 +29,8 @@ OPTIONS = {
     "fp16": {"compression": "fp16"},
     "topk": {"compression": "topk", "compression_warmup": 2},
     "sync_every": {"sync_every": 4, "sync_scope": "rank"},
+    # The outer codec whose CPU path runs in chunks (comm/codecs.py), under each client.
+    "sync_every_fp4": {"sync_every": 4, "sync_scope": "rank", "outer_compression": "fp4"},
     "sync_every_node": {"sync_every": 4, "sync_scope": "node"},
     # The syncs over the members present (resilience/membership.py), applied under each client; nobody is lost here.
     "sync_every_continue": {"sync_every": 4, "sync_scope": "rank", "on_lost_replica": "continue"},
@@ -45,6 +47,7 @@ CI = {
     ("plain", "shard_full", "run"),
     ("plain", "fp16", "init"),
     ("hf_trainer", "topk", "run"),
+    ("hf_trainer", "sync_every_fp4", "run"),
     ("lightning", "amp_bf16", "run"),
     ("lightning", "sync_every_auto", "run"),
     ("lightning_validate", "fp16", "run"),
