@@ -57,7 +57,7 @@ def test_values_are_normalised():
             {"fp16_scale": "inf"},
             {},
             {},
-            "invalid fp16_scale='inf' (from keyword); accepted: dynamic, or a number > 0 (a fixed scale)",
+            "invalid fp16_scale='inf' (from keyword); accepted: auto, dynamic, peak, or a number > 0 (a fixed scale)",
         ),
         (
             {"compression_momentum": -0.1},

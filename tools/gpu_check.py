@@ -87,6 +87,7 @@ OPTIONS_B = [
     "randomk",
     "powersgd",
     "fp16+hierarchical",
+    "fp16+dynamic",
     "sync_every=2",
     "sync_every=2+nesterov",
     "sync_every=4+fragments=2+overlap=1",
@@ -109,6 +110,8 @@ CODEC_CELLS = [f"{c}/hier={h}" for c in ("none", "fp16", "bf16", "topk", "random
 OPTIONS_C = [
     "defaults",
     *CODEC_CELLS,
+    "fp16+dynamic/hier=off",
+    "fp16+dynamic/hier=on",
     "sync_every=2",
     "sync_every=2+scope=rank",
     "sync_every=4+fragments=2+overlap=1",
@@ -607,10 +610,12 @@ class Pass:
         return result
 
     def stage_overlap(self, timeout: float) -> dict:
-        # fp16 reads each bucket's sum on the host (its exact retry); bf16 sends as many bytes and reads nothing;
-        # none is the hook alone. Side by side they tell the read's cost from the codec's and the hook's.
+        # fp16 as configured by default (fp16_scale=auto: peak on a GPU, no host read); fp16 with the dynamic scale
+        # reads each bucket's sum on the host (its exact retry); bf16 sends as many bytes and reads nothing. Side by
+        # side they tell the read's cost from the codec's and the hook's.
         flags = ["--arms", "local,baseline,trainaccel", "--compression", "fp16"]
-        flags += ["--variant", "trainaccel-bf16:compression=bf16", "--variant", "trainaccel-none:compression=none"]
+        flags += ["--variant", "trainaccel-bf16:compression=bf16"]
+        flags += ["--variant", "trainaccel-dynamic:compression=fp16,fp16_scale=dynamic"]
         code, report = self.bench("overlap", flags, timeout, repeats=2)
         result = self.bench_result("overlap", code, report, "local")
         if report is not None:
@@ -618,7 +623,9 @@ class Pass:
             arms["trainaccel-fp16"] = arms.pop("trainaccel")
             ratio = arms["trainaccel-fp16"]["vs_local"]
             result["details"]["ratio"] = ratio
-            others = ", ".join(f"{a[11:]} {arms[a]['vs_local']:.2f}x" for a in ("trainaccel-bf16", "trainaccel-none"))
+            others = ", ".join(
+                f"{a[11:]} {arms[a]['vs_local']:.2f}x" for a in ("trainaccel-bf16", "trainaccel-dynamic")
+            )
             result["summary"] = (
                 f"trainaccel fp16 {arms['trainaccel-fp16']['step_ms']:.1f} ms vs no communication "
                 f"{arms['local']['step_ms']:.1f} ms: {ratio:.2f}x "

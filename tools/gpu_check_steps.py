@@ -65,6 +65,7 @@ OPTIONS: dict[str, dict] = {
     "randomk": {"compression": "randomk", "compression_ratio": 0.1, "compression_warmup": 1},
     "powersgd": {"compression": "powersgd", "compression_warmup": 1},
     "fp16+hierarchical": {"compression": "fp16", "hierarchical": "on"},
+    "fp16+dynamic": {"compression": "fp16", "fp16_scale": "dynamic"},  # "fp16" is auto's: peak on a GPU
     "sync_every=2": {"sync_every": 2},
     "sync_every=2+nesterov": {"sync_every": 2, "outer_optimizer": "nesterov"},
     "sync_every=4+fragments=2+overlap=1": {"sync_every": 4, "sync_fragments": 2, "sync_overlap": 1},
@@ -93,6 +94,15 @@ OPTIONS: dict[str, dict] = {
             "compression_warmup": 1,
         }
         for codec in ("none", "fp16", "bf16", "topk", "randomk", "powersgd")
+        for h in ("off", "on")
+    },
+    **{
+        f"fp16+dynamic/hier={h}": {
+            "compression": "fp16",
+            "fp16_scale": "dynamic",
+            "hierarchical": h,
+            "nan_check": "warn",
+        }
         for h in ("off", "on")
     },
     "sync_every=2+scope=rank": {"sync_every": 2, "sync_scope": "rank"},

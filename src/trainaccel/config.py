@@ -108,12 +108,15 @@ def _number(
     return parse
 
 
-def _keyword_or(keyword: str, number: Callable[[str, Any], Any], accepted: str) -> Callable[[str, Any], Any]:
-    """Parser for an option that takes `keyword` (case-insensitive) or what `number` parses."""
+def _keyword_or(
+    keyword: str | tuple[str, ...], number: Callable[[str, Any], Any], accepted: str
+) -> Callable[[str, Any], Any]:
+    """Parser for an option that takes `keyword` (or one of several; case-insensitive) or what `number` parses."""
+    keywords = (keyword,) if isinstance(keyword, str) else keyword
 
     def parse(name: str, raw: Any) -> Any:
-        if isinstance(raw, str) and raw.strip().lower() == keyword:
-            return keyword
+        if isinstance(raw, str) and raw.strip().lower() in keywords:
+            return raw.strip().lower()
         try:
             return number(name, raw)
         except ConfigError:
@@ -124,7 +127,9 @@ def _keyword_or(keyword: str, number: Callable[[str, Any], Any], accepted: str) 
 
 
 _fp16_scale = _keyword_or(
-    "dynamic", _number(float, 0.0, float("inf"), low_open=True), "dynamic, or a number > 0 (a fixed scale)"
+    ("auto", "dynamic", "peak"),
+    _number(float, 0.0, float("inf"), low_open=True),
+    "auto, dynamic, peak, or a number > 0 (a fixed scale)",
 )
 
 
@@ -220,10 +225,11 @@ class Config:
         "first steps reduced exactly before topk, randomk or powersgd start (at least 1, and 2 for powersgd)",
     )
     fp16_scale: float | str = _option(
-        "dynamic",
+        "auto",
         _fp16_scale,
         "gradients are multiplied by this before the fp16 cast and divided after; dynamic: halved after an "
-        "overflow, doubled after 2000 steps without one, per bucket",
+        "overflow, doubled after 2000 steps without one, per bucket; peak: from the largest magnitude over the "
+        "workers, per sum, with no host read; auto: peak on GPUs, dynamic on the CPU",
     )
     powersgd_rank: int = _option(
         2,

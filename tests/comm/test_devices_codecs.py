@@ -65,6 +65,18 @@ def test_every_codec_runs_on_its_inputs_device_without_a_host_sync(name, dtype):
     assert not seen.found, f"{name} on a meta tensor touched other devices: {seen.found[:5]}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fp16s_scale_from_the_peak_stays_on_the_inputs_device(dtype):
+    codec = get_codec("fp16", fp16_scale="peak")
+    tensor = torch.empty(1000, dtype=dtype, device=META)
+    with Elsewhere(META) as seen:
+        scale = codec.peak_scale(torch.empty(1, device=META), 4)
+        payload, ctx = codec.compress(tensor, 0, scale=scale)
+        assert codec.decompress(payload, ctx).dtype == dtype
+        codec.decompress_into(payload, ctx, torch.empty_like(tensor))
+    assert not seen.found, seen.found[:5]
+
+
 @pytest.mark.parametrize("name", ["topk", "randomk", "int8", "fp4"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_error_feedback_keeps_its_state_on_the_gradients_device(name, momentum):

@@ -92,3 +92,32 @@ def test_the_engine_trains_a_gpu_model(one_worker_env, device, options):
         assert not state.builtin and state.reductions == 12  # trainaccel's hook reduced every step
         if state.feedback is not None:
             assert all(r.device == device for r in state.feedback.residuals.values())
+
+
+@pytest.mark.parametrize("scale", ["auto", "dynamic"])
+def test_fp16_on_a_gpu_reads_no_sum_on_the_host_by_default(one_worker_env, device, needs_cuda, scale):
+    # fp16_scale=auto is the peak's scale on a GPU: no host read waits for the device (a sync raises here, on the
+    # communication thread, and fails the backward); the dynamic scale reads each bucket's sum for its exact retry.
+    trainaccel.init(compression="fp16", fp16_scale=scale)
+    model = ddp_of(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train(model, optimizer, batches(device, 3))  # DDP's first steps: its buckets, the exact first step
+    state = comm_state(model)
+    assert state.codec.by_peak == (scale == "auto") and state.codec.dynamic == (scale == "dynamic")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches(device, 4, seed=1):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize(device)
+    if scale == "auto":
+        assert failed is None, failed
+        assert state.fallbacks == 0 and all(bool(p.isfinite().all()) for p in model.parameters())
+    else:
+        assert failed is not None and "synchroniz" in failed, "the dynamic scale's read was not seen"

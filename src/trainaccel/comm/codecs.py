@@ -53,18 +53,24 @@ class CastCompression:
 
     `scale="dynamic"` keeps a scale per buffer (by `key`), as GradScaler does for a loss: it starts
     at 1, halves when a sum overflowed (`overflowed`), doubles after `GROWTH_INTERVAL` clean sums.
+    `scale="peak"` takes each sum's scale from the largest magnitude over the group (`peak_scale`, given to
+    `compress` by the exchange), so that the sum cannot overflow and no host read has to look.
     """
 
     summable, lossy = True, True
     GROWTH_INTERVAL, LOWEST, HIGHEST = 2000, 2.0**-24, 2.0**24
+    # `peak`: the sum's largest magnitude is scaled to at most this, float16's range (65504) with room for its roundings
+    PEAK_TARGET, PEAK_HIGHEST = 2.0**15, 2.0**100
 
     def __init__(self, name: str, dtype: torch.dtype, scale: float | str = 1.0):
         self.name, self.dtype = name, dtype
         self.dynamic = scale == "dynamic"
-        self.scale = 1.0 if self.dynamic else float(scale)
+        self.by_peak = scale == "peak"
+        self.scale = 1.0 if self.dynamic or self.by_peak else float(scale)
         # bfloat16 has float32's range: unscaled, its sums overflow where float32's do (give or take one rounding at
-        # the very top of that range). float16's overflow much sooner, and a scale may push bfloat16 beyond it.
-        self.keeps_finiteness = dtype == torch.bfloat16 and self.scale == 1.0 and not self.dynamic
+        # the very top of that range). float16's overflow much sooner, and a scale may push bfloat16 beyond it; a
+        # scale from the peak keeps finite sums finite, and passes a non-finite gradient on (`peak_scale`).
+        self.keeps_finiteness = self.by_peak or (dtype == torch.bfloat16 and self.scale == 1.0 and not self.dynamic)
         # Per key: [scale, sums since the last change]; equal on every rank (every rank sees the same sums).
         self.scales: dict[Any, list] | None = {} if self.dynamic else None
 
@@ -83,7 +89,33 @@ class CastCompression:
             entry = self.scales.setdefault(key, [1.0, 0])
             entry[0], entry[1] = max(self.LOWEST, entry[0] / 2.0), 0
 
-    def compress(self, tensor: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, Any]:
+    def peak_scale(self, peak: torch.Tensor, size: int) -> torch.Tensor:
+        """The power of two that keeps a sum of `size` payloads within range, from the group's largest magnitude
+        `peak` (a float32 tensor on the device, +inf if any value is not finite: then 1, so that the non-finite
+        values reach the sum where they are, as plain DDP's)."""
+        # Divided in this order: `peak * size` would overflow float32 for a peak near its largest value (then 0).
+        scale = torch.exp2(torch.floor(torch.log2(self.PEAK_TARGET / size / peak))).clamp_(max=self.PEAK_HIGHEST)
+        # 0-dim: a float16 payload divided by it stays float16 (a one-element 1-D float32 tensor would promote it)
+        return torch.where(peak.isfinite(), scale, torch.ones_like(scale)).reshape(())
+
+    def compress(
+        self, tensor: torch.Tensor, key: Any = None, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """`scale`: `peak_scale`'s, which `scale="peak"` needs (every rank of a sum must use the same)."""
+        if self.by_peak:
+            if scale is None:
+                raise ValueError(
+                    f"{self.name} with scale='peak' needs the group's scale (peak_scale); exchange.start_exchange "
+                    "passes it"
+                )
+            # Scaled in float32, then cast: a value beyond float16's range is brought in before the cast, a tiny one
+            # is brought up before the cast would flush it. Scaling by a power of two is exact.
+            scaled = workspace("cast.scaled", tensor.numel(), torch.float32, tensor.device).view_as(tensor)
+            if tensor.dtype == torch.float32:
+                torch.mul(tensor, scale, out=scaled)
+            else:
+                scaled.copy_(tensor).mul_(scale)
+            return scaled.to(self.dtype), (tensor.dtype, scale)
         scale = self.scale_for(key)
         if scale != 1.0:
             return (tensor * scale).to(self.dtype), (tensor.dtype, scale)
@@ -92,7 +124,7 @@ class CastCompression:
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         dtype, scale = ctx
-        if scale == 1.0:
+        if _is_one(scale):
             return payload.to(dtype)
         # Never in place on the payload: a buffer of the payload's dtype (a float16 model's) is cast to itself, and
         # error feedback decodes the payload before it is sent.
@@ -104,7 +136,12 @@ class CastCompression:
         """`decompress(payload, ctx)` written into `out` (of its shape and dtype)."""
         _, scale = ctx
         out.copy_(payload)
-        return out.div_(scale) if scale != 1.0 else out
+        return out if _is_one(scale) else out.div_(scale)
+
+
+def _is_one(scale: float | torch.Tensor) -> bool:
+    """Whether a scale is the number 1 (a tensor scale, on the device, is never looked at: no host read)."""
+    return not isinstance(scale, torch.Tensor) and scale == 1.0
 
 
 class TopK:
@@ -432,12 +469,24 @@ CODECS = ("none", "fp16", "bf16", "topk", "randomk", "int8", "fp4")
 
 
 def get_codec(
-    name: str, *, ratio: float = 0.01, fp16_scale: float | str = 1.0, seed: int = 0, ratio_max: float | None = None
+    name: str,
+    *,
+    ratio: float = 0.01,
+    fp16_scale: float | str = 1.0,
+    seed: int = 0,
+    ratio_max: float | None = None,
+    device: torch.device | None = None,
 ) -> Codec:
     """The codec for a `compression` value (`powersgd` is a hook of its own, not a codec).
 
     With `ratio_max` above `ratio`, topk's and randomk's ratio adapts between them (`AdaptiveRatio`).
+    `fp16_scale="auto"` is `peak` where the sums run on an accelerator (`device`), `dynamic` on the CPU (None).
     """
+    if fp16_scale == "auto":
+        # dynamic's exact retry reads each sum on the host: free on the CPU, a stall of the device's queue
+        # elsewhere. peak reads nothing, for one small collective more per sum (on the CPU it costs more than
+        # the read: docs/BENCHMARKS.md, "fp16's scale from the peak").
+        fp16_scale = "peak" if device is not None and device.type != "cpu" else "dynamic"
     adaptive = AdaptiveRatio(ratio, ratio_max) if ratio_max is not None and name in ("topk", "randomk") else None
     if name == "none":
         return NoCompression()

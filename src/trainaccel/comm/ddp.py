@@ -158,6 +158,7 @@ def build_state(
         ratio=config.compression_ratio,
         fp16_scale=config.fp16_scale,
         ratio_max=config.compression_ratio_max,  # Config.resolve checked it is above the ratio
+        device=device,
     )
     warn_if_gathering_costs_more(state.codec, dist.get_world_size(state.group), "gradient")
     if state.codec.lossy:
@@ -168,7 +169,7 @@ def build_state(
     dense = config.compression in DENSE_CODECS
     topology = hierarchy_for(process_group, config.hierarchical, dense, "reducing", device)
     if topology is not None:
-        intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale)
+        intra_codec = get_codec(config.intra_compression, fp16_scale=config.fp16_scale, device=device)
         intra_feedback = ErrorFeedback() if intra_codec.lossy else None
         state.hierarchy = HierarchicalReduce(topology, state.codec, state.feedback, intra_codec, intra_feedback)
         state.feedback = None  # the hierarchy applies it across nodes

@@ -71,14 +71,14 @@ class Pending:
         else:
             corrected = tensor.mul_(scale) if scale != 1.0 else tensor
             self.scaled = True
-        self.payload, self.ctx = codec.compress(corrected, key)
+        self.size = dist.get_world_size(group)
+        self.payload, self.ctx = encode(codec, corrected, key, group)
         self.mine = None  # this rank's payload decoded, where feedback already did it
         if feedback is not None:
             self.mine = feedback.update(key, corrected, codec, self.payload, self.ctx)
             adaptive = getattr(codec, "adaptive", None)
             if adaptive is not None:  # `corrected` now holds what waits: the residual
                 adaptive.measure(key, corrected, tensor, scale, group)
-        self.size = dist.get_world_size(group)
         # The group's own rank: on_lost_replica's member groups are built from the store, unknown to get_rank().
         self.rank = group.rank() if group is not None else dist.get_rank()
         self.sent = received_bytes(self.payload, codec.summable, self.size)
@@ -180,6 +180,26 @@ def all_finite(values: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool, device=values.device)
     low, high = torch.aminmax(values)
     return low.isfinite() & high.isfinite()
+
+
+def encode(codec: Codec, tensor: torch.Tensor, key: Any, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
+    """`codec.compress(tensor, key)` for a sum or gather over `group`: a codec whose scale comes from the group's
+    largest magnitude (fp16_scale=peak) gets it here, the same on every rank (a collective: call on every rank)."""
+    if getattr(codec, "by_peak", False):
+        scale = codec.peak_scale(group_peak(tensor, group), dist.get_world_size(group))
+        return codec.compress(tensor, key, scale=scale)
+    return codec.compress(tensor, key)
+
+
+def group_peak(values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The largest magnitude of `values` over `group`'s ranks: a one-element float32 tensor on their device, +inf when
+    any value is not finite. One small allreduce, and no host read (on a GPU it is queued like the rest)."""
+    low, high = torch.aminmax(values)  # no full-size |values| temporary
+    peak = torch.maximum(high.float(), low.float().neg()).reshape(1)
+    # A NaN becomes +inf before the maximum: backends need not carry a NaN through MAX.
+    peak = torch.where(peak.isnan(), torch.full_like(peak, float("inf")), peak)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return peak
 
 
 def note_overflow(codec: Codec, key: Any) -> None:

@@ -65,7 +65,8 @@ def register_fsdp(model: torch.nn.Module, group: dist.ProcessGroup, config: Conf
             f"register_fsdp needs a model sharded with fully_shard on a 1-D mesh within a node; it has {found} "
             "(a 2-D mesh is reduced across replicas by FSDP2 itself)"
         )
-    codec = get_codec(config.compression, fp16_scale=config.fp16_scale)
+    device = next((p.device for p in model.parameters()), None)
+    codec = get_codec(config.compression, fp16_scale=config.fp16_scale, device=device)
     state = FSDPCommState(codec, ErrorFeedback() if codec.lossy else None, group)
     replicas = dist.get_world_size(group)
     for name, module in model.named_modules():

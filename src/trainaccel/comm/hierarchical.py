@@ -21,6 +21,7 @@ from trainaccel.comm.exchange import (
     NOT_FINITE,
     all_finite,
     all_gather_single,
+    encode,
     needs_check,
     note_overflow,
     reduce_scatter_single,
@@ -124,7 +125,7 @@ class HierarchicalReduce:
     def _start_sum_in_node(self, part: torch.Tensor, key: Any, _: torch.Tensor) -> _Step:
         padded, shard_size = self._padded(part)
         full = padded if self.intra_feedback is None else self.intra_feedback.correct(key, padded)
-        payload, ctx = self.intra_codec.compress(full, key)
+        payload, ctx = encode(self.intra_codec, full, key, self.topology.intra_group)
         if self.intra_feedback is not None:
             self.intra_feedback.update(key, full, self.intra_codec, payload, ctx)
         self.intra_bytes_sent += payload.numel() * payload.element_size()
@@ -185,8 +186,8 @@ class HierarchicalReduce:
         return padded.narrow(0, self.topology.local_index * shard_size, shard_size) * self.topology.local_size
 
     def _start_gather_in_node(self, shard: torch.Tensor, key: Any, part: torch.Tensor) -> _Step:
-        payload, ctx = self.intra_codec.compress(shard, key)
         local_size, group = self.topology.local_size, self.topology.gather_group
+        payload, ctx = encode(self.intra_codec, shard, key, group)  # decoded with one ctx: the same scale everywhere
         gathered = payload.new_empty(payload.numel() * local_size)
         work = all_gather_single(gathered, payload.contiguous(), group=group, async_op=True)
         self.intra_bytes_sent += payload.numel() * payload.element_size()

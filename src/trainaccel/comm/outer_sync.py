@@ -207,7 +207,8 @@ class OuterSync:
         self._timing: list[Any] = [None, [], 0.0]
         self._measured: torch.futures.Future | None = None
         self._outer_settings = (config.outer_lr, config.outer_momentum)
-        self._codec = configured = get_codec(config.outer_compression, fp16_scale=config.fp16_scale)
+        device = self.params[0].device if self.params else None
+        self._codec = configured = get_codec(config.outer_compression, fp16_scale=config.fp16_scale, device=device)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
         self._auto = _Auto(config) if self.sync_every == "auto" else None
         if self._auto is not None:  # the measuring round's syncs: full precision, no residual to carry past it
@@ -473,7 +474,8 @@ class OuterSync:
 
     def _use_codec(self, name: str) -> None:
         """The outer codec from now on, with fresh error feedback (call where no residual is held)."""
-        self._codec = get_codec(name, fp16_scale=self._auto.fp16_scale)
+        device = self.params[0].device if self.params else None
+        self._codec = get_codec(name, fp16_scale=self._auto.fp16_scale, device=device)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
         if self._hierarchy is not None:
             self._hierarchy = HierarchicalReduce(self._hierarchy.topology, self._codec, self._feedback, check=True)
