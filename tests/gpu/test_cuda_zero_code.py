@@ -104,9 +104,11 @@ def test_fp16_on_a_gpu_reads_no_sum_on_the_host_by_default(one_worker_env, devic
     train(model, optimizer, batches(device, 3))  # DDP's first steps: its buckets, the exact first step
     state = comm_state(model)
     assert state.codec.by_peak == (scale == "auto") and state.codec.dynamic == (scale == "dynamic")
+    data = batches(device, 4, seed=1)  # copied to the device before: a copy from pageable memory is a sync
+    torch.cuda.synchronize(device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for x, y in batches(device, 4, seed=1):
+        for x, y in data:
             optimizer.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
