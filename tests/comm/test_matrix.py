@@ -12,7 +12,7 @@ from conftest import SCRIPTS, run_nodes
 
 pytestmark = pytest.mark.multiprocess
 
-CODECS = ["none", "fp16", "bf16", "topk", "randomk", "powersgd"]
+CODECS = ["none", "fp16", "fp16-peak", "bf16", "topk", "randomk", "powersgd"]  # fp16: dynamic, auto's on the CPU
 SETTINGS = [
     "plain",
     "find_unused",
@@ -28,7 +28,12 @@ SETTINGS = [
 ]
 SPIKE_STEP = 12
 # A cell whose codec loses nothing for the model's dtype: `none`, or a cast to the dtype the model already has.
-LOSSLESS = {("none", s) for s in SETTINGS} | {("fp16", "fp16_model"), ("bf16", "bf16_model")}
+# The peak's power-of-two scale is exact too: a float16 model's sum rounds as plain DDP's does, scaled or not.
+LOSSLESS = {("none", s) for s in SETTINGS} | {
+    ("fp16", "fp16_model"),
+    ("fp16-peak", "fp16_model"),
+    ("bf16", "bf16_model"),
+}
 # Hierarchical sums add in another order: a few roundings of the parameters' dtype (about 1 in magnitude).
 ORDER_TOLERANCE = {"fp16_model": 2**-9, "bf16_model": 2**-6}
 
@@ -60,6 +65,8 @@ def test_cell_trains_with_equal_replicas(matrix, codec, hierarchical, setting):
         assert abs(cell["final"] / cell["final_without_spike"] - 1) <= 0.05, cell
         if codec == "fp16":  # beyond float16's range: retried exactly
             assert cell["fallbacks"] >= 1
+        if codec == "fp16-peak":  # scaled from the peak, so within float16's range: nothing to retry
+            assert cell["fallbacks"] == 0
         if codec != "none":
             assert cell["skipped_by_engine"] >= 1
     else:

@@ -27,7 +27,9 @@ from trainaccel.comm import register
 
 STEPS, SPIKE_STEP, SPIKE, SKIP_NORM = 30, 12, 1e8, 1e4
 IN, HIDDEN, OUT, BATCH, VOCAB = 16, 32, 4, 16, 64
-CODECS = ["none", "fp16", "bf16", "topk", "randomk", "powersgd"]
+CODECS = ["none", "fp16", "fp16-peak", "bf16", "topk", "randomk", "powersgd"]
+# Columns that are a codec with options of its own. "fp16" is fp16_scale=auto's on the CPU: dynamic.
+COLUMNS = {"fp16-peak": {"compression": "fp16", "fp16_scale": "peak"}}
 SETTINGS = [
     "plain",
     "find_unused",
@@ -203,6 +205,7 @@ for setting in SETTINGS:
                 "hierarchical": hierarchical,
                 "nan_check": "warn",
                 "compression_ratio": 0.1,
+                **COLUMNS.get(codec, {}),
             }
             cell = train(setting, options, SPIKE)
             cell["max_diff_from_plain"] = (cell.pop("params") - plain["params"]).abs().max().item()
