@@ -224,3 +224,15 @@ def test_backward_does_not_wait_for_the_other_ranks(tmp_path):
     assert [r["raised_in"] for r in ranks] == ["step", "step"]
     assert ranks[0]["error"] == ranks[1]["error"]
     assert ranks[0]["error"] == "allreduce: tensor shapes differ across ranks (rank 0 (8,), rank 1 (12,))"
+
+
+@pytest.mark.parametrize("scale", ["dynamic", "peak", 8.0])
+def test_an_fp16_scale_the_horovod_optimizer_cannot_apply_is_refused(monkeypatch, scale):
+    from trainaccel.config import Config
+    from trainaccel.horovod import optimizer
+
+    monkeypatch.setattr(optimizer, "current_config", lambda: Config.resolve(compression="fp16", fp16_scale=scale))
+    with pytest.raises(ValueError, match=f"fp16_scale={scale} scales the fp16 of trainaccel's DDP hook"):
+        optimizer._launch_options(optimizer.Compression.none, None)
+    monkeypatch.setattr(optimizer, "current_config", lambda: Config.resolve(compression="fp16"))
+    assert optimizer._launch_options(optimizer.Compression.none, None) == (optimizer.Compression.fp16, None)

@@ -428,6 +428,11 @@ def _launch_options(
         "amp": (config.amp != "off", "autocasts a DDP model's forward"),
         "shard": (config.shard != "off", "shards a DDP model with FSDP2"),
         "compression": (config.compression == "powersgd", "is torch's DDP hook"),
+        # Horovod's Compression.fp16 is its own: a cast, unscaled.
+        "fp16_scale": (
+            config.compression == "fp16" and config.fp16_scale != "auto",
+            "scales the fp16 of trainaccel's DDP hook (Horovod's Compression.fp16 is an unscaled cast)",
+        ),
         "sync_scope": (
             config.sync_every and config.sync_scope == "node",
             "under sync_every averages gradients within each node through a DDP hook (one replica per node)",
