@@ -1,5 +1,6 @@
-"""fp16 with `fp16_scale=peak` on 2 emulated nodes x 2 real Gloo workers: every kind of gradient x flat and
-hierarchical, against the exact mean; `dynamic` beside it, to show what the peak's scale changes."""
+"""fp16 with `fp16_scale=peak` on 2 emulated nodes x 2 real Gloo workers: every kind of gradient x flat,
+hierarchical, and hierarchical with fp16 inside the node too, against the exact mean; `dynamic` beside it, to show
+what the peak's scale changes."""
 
 import json
 
@@ -20,18 +21,18 @@ def cells(tmp_path_factory):
     return json.loads((out / "fp16_peak.json").read_text())
 
 
-@pytest.mark.parametrize("hierarchical", ["off", "on"])
+@pytest.mark.parametrize("hierarchical", ["off", "on", "intra"])
 @pytest.mark.parametrize("case", CASES)
 def test_the_peaks_scale_sums_within_fp16s_roundings_with_no_retry(cells, case, hierarchical):
     cell = cells[f"{case}/peak/{hierarchical}"]
-    assert cell["hierarchical"] == (hierarchical == "on")
+    assert cell["hierarchical"] == (hierarchical != "off")
     assert cell["worst"] <= 1.0, cell  # within the tolerance of fp16's roundings, at every finite place
     assert cell["nonfinite_got"] == cell["nonfinite_expected"], cell  # a non-finite gradient shows where it was
     assert cell["fallbacks"] == 0  # nothing read on the host to choose a retry, and none needed
     assert cell["replicas_equal"]
 
 
-@pytest.mark.parametrize("hierarchical", ["off", "on"])
+@pytest.mark.parametrize("hierarchical", ["off", "on", "intra"])
 @pytest.mark.parametrize("case", CASES)
 def test_the_dynamic_scale_keeps_its_behaviour(cells, case, hierarchical):
     cell = cells[f"{case}/dynamic/{hierarchical}"]
