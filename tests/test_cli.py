@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 
 import pytest
@@ -89,6 +90,8 @@ def test_demo_on_a_slow_link_reports_time_and_validation_loss_per_arm(tmp_path):
     proc = run([*trainaccel_cmd(), "demo", "--steps", "12", "--json", out], env={"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 nodes x 2 workers, link 500mbit" in proc.stdout and "validation loss" in proc.stdout
+    # Fewer cores than workers: the demo says what that costs per-step hooks, and where the fair comparison is.
+    assert ("4 workers share" in proc.stdout.replace("\n", " ")) == ((os.cpu_count() or 1) < 4), proc.stdout[-800:]
     report = json.loads(out.read_text())
     arms = report["arms"]
     assert list(arms) == ["baseline", "torch-fp16", "trainaccel", "local", "sync-every-2"]

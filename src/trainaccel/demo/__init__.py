@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -99,6 +100,13 @@ def slow_link(args: argparse.Namespace) -> int:
             "the validation losses); local = no communication at all (the ceiling; rank 0's replica alone). "
             "One run each; `trainaccel bench quality` repeats and takes medians."
         )
+        cores = os.cpu_count() or 1
+        if cores < 4:  # the 4 workers share cores: a per-step hook's threads then wait for one at every handoff
+            print(
+                f"Here 4 workers share {cores} CPU cores, which costs per-step hooks with threads of their own "
+                "more than torch's: docs/BENCHMARKS.md (\"fp16's scale from the peak\") compares trainaccel's fp16 "
+                "with torch's hook at one worker per node, where each has a core of its own."
+            )
     return code
 
 
