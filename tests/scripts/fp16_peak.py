@@ -13,8 +13,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from weights import Weights
 
 from trainaccel.comm import register
 
@@ -49,21 +49,10 @@ def gradient(case: str, rank: int, world: int) -> torch.Tensor:
     return x
 
 
-class Probe(nn.Module):
-    """loss = (weight * input).sum(): the weight's gradient is the input."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(N))
-
-    def forward(self, x):
-        return (self.weight * x).sum()
-
-
 def cell(case: str, scale: str, hierarchical: str) -> dict:
     """`hierarchical`: off, on, or intra (on, with fp16 inside the node as well: three fp16 stages)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(Probe())
+    model = DDP(Weights(N))
     intra = "fp16" if hierarchical == "intra" else "none"
     on = "off" if hierarchical == "off" else "on"
     state = register(model, compression="fp16", fp16_scale=scale, hierarchical=on, intra_compression=intra)

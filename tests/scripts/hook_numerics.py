@@ -13,22 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from weights import Weights
 
 import trainaccel
 from trainaccel.comm import comm_state, register
 
 N = 1000
-
-
-class Weights(nn.Module):
-    """d(forward(x))/d(weight) == x, so the reduced gradient is the mean of the inputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(N))
-
-    def forward(self, x):
-        return (self.weight * x).sum()
 
 
 def inputs(rank: int) -> torch.Tensor:
@@ -41,7 +31,7 @@ exact = sum(inputs(r) for r in range(world)) / world
 found = {"rank": rank}
 
 for codec in ("none", "fp16", "bf16"):
-    model = DDP(Weights())
+    model = DDP(Weights(N))
     state = register(model, compression=codec, compression_warmup=1)
     model(torch.zeros_like(inputs(rank))).backward()  # a lossy codec starts after DDP's first step, exactly reduced
     model.zero_grad()
@@ -57,7 +47,7 @@ for codec in ("none", "fp16", "bf16"):
     }
 
 # nan_check=raise: a non-finite gradient on one rank fails the step on every rank, naming the parameter.
-model = DDP(Weights())
+model = DDP(Weights(N))
 register(model, nan_check="raise")
 x = inputs(rank)
 if rank == 1:
@@ -73,7 +63,7 @@ records = []
 handler = logging.Handler()
 handler.emit = records.append
 logging.getLogger("trainaccel").addHandler(handler)
-model = DDP(Weights())
+model = DDP(Weights(N))
 register(model, nan_check="warn")
 model(x).backward()
 found["warn"] = [r.getMessage() for r in records]
@@ -81,13 +71,13 @@ found["warn_grad_finite"] = bool(torch.isfinite(model.module.weight.grad).all())
 
 # After init(), DDP models get the hook at first forward, unless the script registers its own.
 trainaccel.init(start_process_group=False, compression="fp16")
-auto = DDP(Weights())
+auto = DDP(Weights(N))
 auto(inputs(rank)).backward()
-own = DDP(Weights())
+own = DDP(Weights(N))
 own.register_comm_hook(None, default_hooks.allreduce_hook)
 own(inputs(rank)).backward()
 trainaccel.shutdown()
-plain = DDP(Weights())
+plain = DDP(Weights(N))
 plain(inputs(rank)).backward()
 found["hooks"] = {
     "auto": [auto._get_ddp_logging_data().get("comm_hook"), comm_state(auto).codec.name],
