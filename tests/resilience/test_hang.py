@@ -1,6 +1,7 @@
 """Hang detection: the judge that names a hung rank, each worker's step clock, and the launcher's watchdog."""
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -152,3 +153,33 @@ def test_the_watchdog_kills_a_child_whose_heartbeat_is_stale_and_nothing_else(tm
     finally:
         for child in children:
             child.kill()
+
+
+@pytest.mark.multiprocess
+def test_a_worker_that_dies_as_the_launcher_ends_is_still_said_and_published(tmp_path, capfd):
+    # The watchdog's thread is held publishing worker A's death (A's store accepts but never answers), B dies and
+    # is reaped the way torchrun's agent does it, and the launcher ends at once: B's death is still said.
+    script = "import os, signal, sys; sys.stdin.read(1); os.kill(os.getpid(), signal.SIGKILL)"
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers them
+    try:
+        with Watchdog(interval_s=3600) as watchdog:
+            workers = [subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE) for _ in range(2)]
+            store = {"store": list(silent.getsockname()), "key": "k"}
+            for rank, worker in enumerate(workers):
+                beat_ = {"pid": worker.pid, "rank": rank, "local_rank": rank, "time": time.time(), "limit_s": 100}
+                (watchdog.folder / f"{rank}.json").write_text(json.dumps({**beat_, **(store if rank == 0 else {})}))
+            for worker in workers:
+                worker.stdin.write(b"x")
+                worker.stdin.flush()
+                if worker is workers[0]:
+                    deadline = time.monotonic() + 10
+                    while "rank 0, pid" not in (said := capfd.readouterr().err) and time.monotonic() < deadline:
+                        time.sleep(0.01)  # until the thread is publishing A's death
+                    assert "rank 0, pid" in said
+                while worker.poll() is None:
+                    time.sleep(0.1)  # torchrun's agent's check
+                assert worker.returncode == -9
+    finally:
+        silent.close()
+    said = capfd.readouterr().err
+    assert f"local rank 1 (rank 1, pid {workers[1].pid}): its process was ended by SIGKILL" in said, said

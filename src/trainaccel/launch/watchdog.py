@@ -92,21 +92,25 @@ class Watchdog:
     def _run(self) -> None:
         # Each worker's pidfd wakes this thread the moment it dies, while it is still a zombie whose exit status
         # can be read without reaping it: torchrun's agent reaps it at its next check (every 0.1 s).
+        # Stopping, it collects once more: a worker whose status the SIGCHLD handler read just before torchrun's
+        # agent returned is published still (the agent returns within milliseconds of reaping its last worker).
         next_check = time.monotonic() + self._interval
-        while not self._stop.is_set():
+        while True:
             poller = select.poll()
             poller.register(self._wake_read, select.POLLIN)
             for fd in self._workers.values():
                 if fd is not None:
                     poller.register(fd, select.POLLIN)
-            poller.poll(max(0.0, next_check - time.monotonic()) * 1000)
-            if self._stop.is_set():
-                break
+            if not self._stop.is_set():
+                poller.poll(max(0.0, next_check - time.monotonic()) * 1000)
+            stopping = self._stop.is_set()
             try:
                 os.read(self._wake_read, 4096)
             except BlockingIOError:
                 pass
             self.collect()
+            if stopping:
+                break
             if time.monotonic() >= next_check:
                 self.check()
                 self.watch_children()
