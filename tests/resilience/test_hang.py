@@ -183,3 +183,5 @@ def test_a_worker_that_dies_as_the_launcher_ends_is_still_said_and_published(tmp
         silent.close()
     said = capfd.readouterr().err
     assert f"local rank 1 (rank 1, pid {workers[1].pid}): its process was ended by SIGKILL" in said, said
+    host, port = store["store"]
+    assert f"rank 0's failure is not published: the job's store ({host}:{port}) did not answer in 6 s\n" in said

@@ -300,9 +300,11 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
             return None
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        # bounded()'s own timeout names the store from this process's environment, not the worker's: said here.
+        why = f"in {STORE_CONNECT_S + 1:g} s" if isinstance(e, TimeoutError) else f"({type(e).__name__}: {first})"
         print(
             f"trainaccel run: rank {rank}'s failure is not published: the job's store ({host}:{port}) did not "
-            f"answer ({type(e).__name__}: {first})",
+            f"answer {why}",
             file=sys.stderr,
             flush=True,
         )
