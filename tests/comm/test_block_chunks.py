@@ -1,8 +1,10 @@
 """int8's and fp4's chunked encoding and decoding (per-thread buffers, no full-size temporary) give the bits of the
 whole-tensor operations they replace, at every chunk size, for every output dtype and every way a sum is made."""
 
+import gc
 import itertools
 import threading
+import weakref
 
 import pytest
 import torch
@@ -130,3 +132,29 @@ def test_a_workspace_is_kept_per_thread_and_name_and_grows_to_the_largest_reques
     assert elsewhere[0].data_ptr() != grown.data_ptr()  # another thread's own buffer
     meta = workspace("test.a", 100, torch.float32, torch.device("meta"))
     assert meta.device.type == "meta"  # off the CPU: a fresh tensor each time
+
+
+def test_shutdown_gives_every_threads_workspaces_back():
+    import trainaccel
+
+    cpu = torch.device("cpu")
+    mine = weakref.ref(workspace("test.release", 1000, torch.float32, cpu)._base)
+    theirs, release, done = [], threading.Event(), threading.Event()
+
+    def hold() -> None:  # a thread alive at shutdown (DDP's, the outer sync's)
+        theirs.append(weakref.ref(workspace("test.release", 1000, torch.float32, cpu)._base))
+        done.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        done.wait(10)
+        assert mine() is not None and theirs[0]() is not None  # kept between calls
+        trainaccel.shutdown()
+        gc.collect()
+        assert mine() is None and theirs[0]() is None
+        assert workspace("test.release", 10, torch.float32, cpu).numel() == 10  # usable again
+    finally:
+        release.set()
+        thread.join()

@@ -16,10 +16,12 @@ import math
 import random
 import sys
 import threading
+import weakref
 from typing import Any, Protocol
 
 import torch
 
+from trainaccel import context
 from trainaccel.comm.adaptive import AdaptiveRatio
 
 
@@ -454,14 +456,33 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
         return torch.empty(numel, dtype=dtype, device=device)
     buffers = getattr(_WORKSPACES, "buffers", None)
     if buffers is None:
-        buffers = _WORKSPACES.buffers = {}
-    buffer = buffers.get((name, dtype))
+        buffers = _WORKSPACES.buffers = _Buffers()
+        _LIVE_WORKSPACES.add(buffers)
+    buffer = buffers.by_key.get((name, dtype))
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        buffer = buffers.by_key[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        if context.first_time("codec workspaces"):  # a bucket's size each: shutdown() gives the memory back
+            context.on_undo("codec workspaces", release_workspaces)
     return buffer[:numel]
 
 
+def release_workspaces() -> None:
+    """Drop every thread's `workspace` buffers (a slice handed out before stays valid: it holds its memory)."""
+    for buffers in list(_LIVE_WORKSPACES):
+        buffers.by_key.clear()
+
+
+class _Buffers:
+    """One thread's `workspace` buffers, by (name, dtype)."""
+
+    __slots__ = ("by_key", "__weakref__")  # by_key: the buffers; __weakref__: shutdown() finds the live threads'
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
 _WORKSPACES = threading.local()  # each thread's `workspace` buffers, freed with the thread
+_LIVE_WORKSPACES: weakref.WeakSet[_Buffers] = weakref.WeakSet()  # those of the threads alive, for shutdown()
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
