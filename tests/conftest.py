@@ -11,8 +11,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 import trainaccel
+
+# One compute thread in each process the tests start (pytest's own, its torch imported above, keeps its cores): the
+# suite runs up to a dozen workers on a few cores, where each one's own thread pool only makes them wait on each
+# other. torchrun sets the same for 2 or more workers per node; the tests check results, never speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Full smoke runs of the benchmark commands and the slow-link demo take minutes: CI keeps their faster siblings
 # (test_demo_measures_every_arm, the bench commands' option tests); `pytest -m bench_full` or TRAINACCEL_BENCH_FULL=1
@@ -229,8 +235,6 @@ def worker_loader(dataset, **kwargs):
     collected); a worker forked from it copies them mid-work and once crashed, once hung. A fork
     server is a fresh process, and the timeout turns any hang into an error naming it.
     """
-    import torch
-
     return torch.utils.data.DataLoader(
         dataset, num_workers=2, multiprocessing_context="forkserver", timeout=120, **kwargs
     )
