@@ -92,30 +92,29 @@ class Watchdog:
     def _run(self) -> None:
         # Each worker's pidfd wakes this thread the moment it dies, while it is still a zombie whose exit status
         # can be read without reaping it: torchrun's agent reaps it at its next check (every 0.1 s).
-        # Stopping, it collects once more: a worker whose status the SIGCHLD handler read just before torchrun's
-        # agent returned is published still (the agent returns within milliseconds of reaping its last worker).
         next_check = time.monotonic() + self._interval
-        while True:
+        while not self._stop.is_set():
             poller = select.poll()
             poller.register(self._wake_read, select.POLLIN)
             for fd in self._workers.values():
                 if fd is not None:
                     poller.register(fd, select.POLLIN)
-            if not self._stop.is_set():
-                poller.poll(max(0.0, next_check - time.monotonic()) * 1000)
-            stopping = self._stop.is_set()
+            poller.poll(max(0.0, next_check - time.monotonic()) * 1000)
+            if self._stop.is_set():
+                break
             try:
                 os.read(self._wake_read, 4096)
             except BlockingIOError:
                 pass
             self.collect()
-            if stopping:
-                break
             if time.monotonic() >= next_check:
                 self.check()
                 self.watch_children()
                 self.collect()  # workers without a pidfd, and those that died meanwhile
                 next_check = time.monotonic() + self._interval
+        # Once more, stopping: a worker whose status the SIGCHLD handler read just before torchrun's agent returned
+        # is published still (the agent returns within milliseconds of reaping its last worker).
+        self.collect()
 
     def _on_child_exit(self, signum: int, frame: object) -> None:
         # Python runs this on the main thread, where torchrun's agent reaps its workers between its checks: here,
@@ -300,8 +299,8 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
             return None
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        # bounded()'s own timeout names the store from this process's environment, not the worker's: said here.
-        why = f"in {STORE_CONNECT_S + 1:g} s" if isinstance(e, TimeoutError) else f"({type(e).__name__}: {first})"
+        # A StoreTimeout's text names the store from this process's environment, not the worker's: said here.
+        why = f"in {e.timeout_s:g} s" if isinstance(e, failfast.StoreTimeout) else f"({type(e).__name__}: {first})"
         print(
             f"trainaccel run: rank {rank}'s failure is not published: the job's store ({host}:{port}) did not "
             f"answer {why}",

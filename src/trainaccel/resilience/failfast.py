@@ -764,6 +764,14 @@ def annotate(error: BaseException) -> None:
         error.add_note(f"trainaccel: {note}")
 
 
+class StoreTimeout(TimeoutError):
+    """A `bounded` call to the job's store did not return within `timeout_s` seconds."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"the job's store ({_store_address()}) did not answer in {timeout_s:g} s")
+        self.timeout_s = timeout_s
+
+
 def bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
     """`fn()`, on a daemon thread waited for at most `timeout_s` (a store cut off without a reset never answers)."""
     box: dict[str, Any] = {}
@@ -778,7 +786,7 @@ def bounded(fn: Callable[[], Any], timeout_s: float) -> Any:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise TimeoutError(f"the job's store ({_store_address()}) did not answer in {timeout_s:g} s")
+        raise StoreTimeout(timeout_s)
     if "error" in box:
         raise box["error"]
     return box.get("value")
