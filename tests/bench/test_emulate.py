@@ -1,5 +1,6 @@
 """Emulated clusters: parsing, a shaped link between nodes and none within a node, full teardown."""
 
+import glob
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from conftest import trainaccel_cmd
-from trainaccel.bench.emulate import EmulatedCluster, Emulation, namespaces, parse_emulate
+from trainaccel.bench.emulate import EmulatedCluster, Emulation, cpu_cgroup_root, namespaces, parse_emulate
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -47,6 +48,26 @@ def test_parse_emulate():
     ):
         with pytest.raises(ValueError, match="accepted: nodes=N,procs-per-node=P,link=RATE"):
             parse_emulate(bad)
+
+
+@pytest.mark.parametrize("node_cpus", ["0.67", "2", "1.5"])
+def test_parse_node_cpus(monkeypatch, node_cpus):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    spec = f"nodes=3,procs-per-node=1,link=500mbit,node-cpus={node_cpus}"
+    assert parse_emulate(spec) == Emulation(3, 1, "500mbit", float(node_cpus))
+
+
+@pytest.mark.parametrize("node_cpus", ["0", "-1", "2.5", "fast", "0.05", "nan"])
+def test_bad_node_cpus_names_the_value_and_what_is_accepted(monkeypatch, node_cpus):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"invalid --emulate .*C the cores each node may use \(> 0, at most 2"):
+        parse_emulate(f"nodes=3,procs-per-node=1,link=500mbit,node-cpus={node_cpus}")
+
+
+@pytest.mark.parametrize("node_cpus,procs,threads", [(0.67, 1, 1), (4, 2, 2), (8, 1, 8), (1, 2, 1)])
+def test_capped_nodes_give_their_workers_their_own_cores(monkeypatch, node_cpus, procs, threads):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert Emulation(3, procs, "1gbit", node_cpus).threads_per_worker == threads
 
 
 @pytest.mark.parametrize(
@@ -94,6 +115,40 @@ def test_link_is_shaped_between_nodes_and_not_within_a_node():
     assert 0.5 * 40e6 <= across <= 1.25 * 40e6, across
     assert within >= 10 * 40e6, within
     assert namespaces("tatest-link-") == []
+
+
+CAPPED = """
+import sys, time
+cgroup = next(line.split(":")[2] for line in open("/proc/self/cgroup") if line.split(":")[1] in ("cpu", "cpu,cpuacct", ""))
+end = time.monotonic() + 0.5
+while time.monotonic() < end:
+    pass
+print(cgroup.strip())
+"""
+
+
+@pytest.mark.multiprocess  # ip netns, cgroups, a process per node
+@needs_netns
+@pytest.mark.skipif(cpu_cgroup_root() is None, reason="needs a CPU cgroup tree")
+def test_node_cpus_runs_each_node_in_a_cgroup_capped_at_its_cores_and_removes_them():
+    root, version = cpu_cgroup_root()
+    with EmulatedCluster(parse_emulate("nodes=2,procs-per-node=1,link=1gbit,node-cpus=0.5"), "tatest-cpu-") as cluster:
+        for node in (0, 1):
+            out = subprocess.run(
+                [*cluster.exec_prefix(node), sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode == 0, out.stderr
+            path = os.path.join(root, f"tatest-cpu-n{node}")
+            assert out.stdout.strip() == f"/tatest-cpu-n{node}", "a child of the command runs in its node's cgroup"
+            if version == 1:
+                quota = [open(os.path.join(path, f)).read().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")]
+            else:
+                quota = open(os.path.join(path, "cpu.max")).read().split()
+            assert quota == ["5000", "10000"], quota
+            stat = dict(line.split() for line in open(os.path.join(path, "cpu.stat")))
+            assert int(stat["nr_throttled"]) > 0, f"half a second of busy loop at half a core was never held: {stat}"
+    assert glob.glob(os.path.join(root, "tatest-cpu-*")) == [], "the node cgroups are removed"
+    assert namespaces("tatest-cpu-") == []
 
 
 @pytest.mark.multiprocess

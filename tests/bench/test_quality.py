@@ -179,7 +179,7 @@ def test_lose_names_an_arm_that_goes_on_a_node_other_than_the_first_and_a_step(l
 
     arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "same": {"sync_every": "4"}}
     lose, _, restart = lose.partition(" ")
-    args = Namespace(lose=[lose], steps=300, rejoin=[], restart=["same"] if restart else [])
+    args = Namespace(lose=[lose], steps=300, rejoin=[], restart=["same"] if restart else [], keep_global_batch=[])
     if message is None:
         assert parse_losses(args, arms, nodes=3) == {lose.partition(":")[0]: (2, 100)}
         return
@@ -193,13 +193,35 @@ def test_rejoin_names_an_arm_that_loses_a_node():
     from trainaccel.bench.quality import parse_losses
 
     arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "other": {"sync_every": "4"}}
-    assert parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["lost"], restart=[]), arms, nodes=3) == {
-        "lost": (2, 9)
-    }
+    flags = {"lose": ["lost:2@9"], "steps": 300, "restart": [], "keep_global_batch": []}
+    assert parse_losses(Namespace(**flags, rejoin=["lost"]), arms, nodes=3) == {"lost": (2, 9)}
     with pytest.raises(
         ValueError, match=re.escape("invalid --rejoin 'other'; accepted: an arm given to --lose (lost)")
     ):
-        parse_losses(Namespace(lose=["lost:2@9"], steps=300, rejoin=["other"], restart=[]), arms, nodes=3)
+        parse_losses(Namespace(**flags, rejoin=["other"]), arms, nodes=3)
+
+
+def test_keep_global_batch_names_an_arm_of_the_run():
+    from argparse import Namespace
+
+    from trainaccel.bench.quality import parse_losses
+
+    arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}, "auto": {"sync_every": "auto"}}
+    flags = {"lose": ["lost:2@9"], "steps": 300, "restart": [], "rejoin": []}
+    assert parse_losses(Namespace(**flags, keep_global_batch=["lost", "auto"]), arms, nodes=3) == {"lost": (2, 9)}
+    with pytest.raises(
+        ValueError, match=re.escape("invalid --keep-global-batch 'lots'; accepted: one of the arms, lost, auto")
+    ):
+        parse_losses(Namespace(**flags, keep_global_batch=["lots"]), arms, nodes=3)
+
+
+def test_a_workers_batch_is_its_share_of_the_global_batch_over_the_workers_present():
+    from trainaccel.bench.quality_worker import share_of
+
+    assert [share_of(12, [0, 1, 2], r) for r in (0, 1, 2)] == [4, 4, 4]
+    assert [share_of(12, [0, 1], r) for r in (0, 1)] == [6, 6]
+    assert [share_of(13, [0, 2, 5], r) for r in (0, 2, 5)] == [5, 4, 4]  # every example drawn, one more on the first
+    assert share_of(12, [3], 3) == 12
 
 
 @pytest.mark.multiprocess

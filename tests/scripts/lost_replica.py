@@ -35,7 +35,7 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from trainaccel.comm import DiLoCo, rejoined_at, sync_replicas
+from trainaccel.comm import DiLoCo, members, rejoined_at, sync_replicas
 from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
@@ -145,7 +145,8 @@ params = torch.cat([p.detach().flatten() for p in model.parameters()])
 if how == "zero_code" or NODE_SCOPE:
     diloco = observer_of(model).diloco
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    result = {"members": diloco.members, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
+    present = diloco.members if how == "horovod" else members(model)  # (the public form, for a script's own use)
+    result = {"members": present, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
     result["scope"] = diloco.outer.scope
     result["live"], result["momentum_at_join"] = live, momentum.get("at_join")
     json.dump({**result, "rejoined_at": start, "refused": refused, "split": split}, f)

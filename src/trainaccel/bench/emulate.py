@@ -2,12 +2,16 @@
 
 Nodes hang off a bridge (in a namespace of its own) through veth pairs; `tc tbf` limits each
 direction of every node's link. Processes of one node talk over the node's own stack, so
-intra-node traffic never crosses the shaped link. Everything is removed on exit, error or Ctrl-C.
+intra-node traffic never crosses the shaped link. With `node-cpus`, each node's processes run in
+a cgroup of their own capped at that many cores (CFS quota): a node's compute stays its own, as on
+a real cluster, instead of passing to the others when it is lost. Everything is removed on exit,
+error or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
 import shutil
@@ -17,6 +21,8 @@ SUBNET = "10.213.0"  # lives only inside the namespaces made here
 IFACE = "eth0"
 _LINK = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _SCALE = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+CPU_CGROUPS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup")  # cgroup v1's cpu controller, or v2's unified tree
+CPU_PERIOD_US = 10_000  # a short period: a node out of quota waits at most this long, not the default 100 ms
 
 
 class EmulationError(RuntimeError):
@@ -28,6 +34,7 @@ class Emulation:
     nodes: int
     procs_per_node: int
     link: str  # tc rate, e.g. 500mbit
+    node_cpus: float | None = None  # cores each node may use (a cgroup's CPU quota); None: all nodes share them all
 
     @property
     def link_bits_per_s(self) -> float:
@@ -42,6 +49,8 @@ class Emulation:
         torchrun leaves a lone worker per node at all of them, so the nodes' OpenMP threads oversubscribe
         the cores and wait on each other (3 nodes x 1 worker on 2 cores: 6 threads, steps 2-4x slower).
         """
+        if self.node_cpus is not None:
+            return max(1, int(self.node_cpus) // self.procs_per_node)
         return max(1, (os.cpu_count() or 1) // (self.nodes * self.procs_per_node))
 
     def node_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -50,20 +59,27 @@ class Emulation:
 
 
 def parse_emulate(spec: str) -> Emulation:
-    """`nodes=2,procs-per-node=2,link=500mbit` -> Emulation."""
-    accepted = "nodes=N,procs-per-node=P,link=RATE with N >= 2, P >= 1, RATE like 500mbit or 2gbit"
+    """`nodes=2,procs-per-node=2,link=500mbit[,node-cpus=0.5]` -> Emulation."""
+    cores = os.cpu_count() or 1
+    accepted = (
+        "nodes=N,procs-per-node=P,link=RATE[,node-cpus=C] with N >= 2, P >= 1, RATE like 500mbit or 2gbit, C the "
+        f"cores each node may use (> 0, at most {cores}; e.g. {cores / 3:.2f} for 3 nodes sharing this machine)"
+    )
     fields = {}
     for item in spec.split(","):
         key, sep, value = item.strip().partition("=")
-        if not sep or key not in ("nodes", "procs-per-node", "link") or key in fields:
+        if not sep or key not in ("nodes", "procs-per-node", "link", "node-cpus") or key in fields:
             raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}")
         fields[key] = value.strip().lower()
     try:
-        emulation = Emulation(int(fields["nodes"]), int(fields["procs-per-node"]), fields["link"])
+        node_cpus = float(fields["node-cpus"]) if "node-cpus" in fields else None
+        emulation = Emulation(int(fields["nodes"]), int(fields["procs-per-node"]), fields["link"], node_cpus)
     except (KeyError, ValueError):
         raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}") from None
     if emulation.nodes < 2 or emulation.procs_per_node < 1 or not _LINK.match(emulation.link):
         raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}")
+    if node_cpus is not None and not (0 < node_cpus <= cores and round(node_cpus * CPU_PERIOD_US) >= 1000):
+        raise ValueError(f"invalid --emulate {spec!r}: node-cpus={fields['node-cpus']}; accepted: {accepted}")
     return emulation
 
 
@@ -94,6 +110,20 @@ def why_not_emulated() -> str | None:
     return None
 
 
+def cpu_cgroup_root() -> tuple[str, int] | None:
+    """Where nodes' CPU cgroups can be made, and the cgroup version (1 or 2); None if this machine has no such tree."""
+    v1, v2 = CPU_CGROUPS
+    if os.path.exists(os.path.join(v1, "cpu.cfs_quota_us")) or os.path.exists(os.path.join(v1, "cpu.shares")):
+        return v1, 1
+    try:
+        with open(os.path.join(v2, "cgroup.subtree_control")) as f:
+            if "cpu" in f.read().split():
+                return v2, 2
+    except OSError:
+        pass
+    return None
+
+
 class EmulatedCluster:
     """Context manager: builds the namespaces and links on enter, removes all of them on exit."""
 
@@ -102,18 +132,27 @@ class EmulatedCluster:
         self.prefix = prefix or f"ta{os.getpid()}-"
         self.bridge = self.prefix + "br"
         self.nodes = [f"{self.prefix}n{k}" for k in range(emulation.nodes)]
+        self.cgroups: list[str] = []  # each node's CPU cgroup (node-cpus), made in _build
 
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
 
     def exec_prefix(self, node: int) -> list[str]:
-        """Prefix a command with this to run it inside node `node`."""
-        return ["ip", "netns", "exec", self.nodes[node]]
+        """Prefix a command with this to run it inside node `node` (its network, and its cores under node-cpus)."""
+        prefix = ["ip", "netns", "exec", self.nodes[node]]
+        if self.cgroups:  # the shell joins the node's cgroup, then becomes the command: its children stay in it
+            # (before the namespace: `ip netns exec` mounts a sysfs of its own, where the cgroup tree is not)
+            prefix = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', self.cgroups[node], *prefix]
+        return prefix
 
     def __enter__(self) -> EmulatedCluster:
         missing = why_not_emulated()
         if missing is not None:
             raise EmulationError(f"--emulate needs {missing}; run as root on Linux, or drop --emulate")
+        if self.emulation.node_cpus is not None and cpu_cgroup_root() is None:
+            raise EmulationError(
+                f"--emulate node-cpus needs a CPU cgroup tree (none at {' or '.join(CPU_CGROUPS)}); drop node-cpus"
+            )
         try:
             self._build()
         except BaseException:
@@ -143,8 +182,42 @@ class EmulatedCluster:
                 _tc(
                     netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"
                 )
+        if self.emulation.node_cpus is not None:
+            self._cap_cpus(self.emulation.node_cpus)
+
+    def _cap_cpus(self, cores: float) -> None:
+        root, version = cpu_cgroup_root()  # type: ignore[misc]
+        quota = round(cores * CPU_PERIOD_US)
+        for ns in self.nodes:
+            path = os.path.join(root, ns)
+            os.mkdir(path)
+            self.cgroups.append(path)
+            if version == 1:
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
+            else:
+                _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
 
     def teardown(self) -> None:
-        """Delete every namespace of this cluster (their veths go with them); safe to repeat."""
+        """Delete every namespace of this cluster (their veths go with them) and its cgroups; safe to repeat."""
         for ns in namespaces(self.prefix):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        found = cpu_cgroup_root()
+        for path in glob.glob(os.path.join(found[0], glob.escape(self.prefix) + "*")) if found else []:
+            try:  # a process still in it (none once the job ended) goes back to the root first
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    for pid in f.read().split():
+                        _write(os.path.join(found[0], "cgroup.procs"), pid, missing_ok=True)
+                os.rmdir(path)
+            except OSError as e:
+                raise EmulationError(f"could not remove the node cgroup {path}: {e}") from None
+        self.cgroups = []
+
+
+def _write(path: str, value: str, missing_ok: bool = False) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except ProcessLookupError:  # (a process that ended as it was moved)
+        if not missing_ok:
+            raise

@@ -153,9 +153,11 @@ def interleaved_or_exit_code(
 
 
 def describe_workers(emulation: Emulation | None, nproc_per_node: int) -> str:
-    """`2 nodes x 2 workers, link 500mbit, 1 thread each`, or `2 workers` on this machine alone: a table's title."""
+    """`2 nodes x 2 workers, link 500mbit, 1 thread each[, 0.67 cores per node]`, or `2 workers` on this machine alone:
+    a table's title."""
     if emulation is None:
         return f"{nproc_per_node} workers"
     threads = emulation.node_env(dict(os.environ))["OMP_NUM_THREADS"]
     each = f"{threads} thread{'' if threads == '1' else 's'} each"
-    return f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}, {each}"
+    cores = "" if emulation.node_cpus is None else f", {emulation.node_cpus:g} cores per node"
+    return f"{emulation.nodes} nodes x {emulation.procs_per_node} workers, link {emulation.link}, {each}{cores}"

@@ -86,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and every worker is started again from it after the loss (torchrun's --max-restarts 1): today's way back "
         "(repeatable)",
     )
+    parser.add_argument(
+        "--keep-global-batch",
+        action="append",
+        default=[],
+        metavar="ARM",
+        help="in arm ARM, each worker's batch at each step is the job's (--batch-size x workers) over the workers "
+        "present (`trainaccel.comm.members`): after a loss the survivors read the lost worker's share, as a script "
+        "that keeps its global batch does (repeatable)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results, loss curves included, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the validation loss curves (needs trainaccel[plot])")
     Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
@@ -131,6 +140,11 @@ def parse_losses(args: argparse.Namespace, arm_options: dict[str, dict[str, str]
             raise ValueError(
                 f"invalid --rejoin {arm!r}; accepted: an arm given to --lose ({', '.join(losses) or 'none'})"
             )
+    for arm in args.keep_global_batch:
+        if arm not in arm_options:
+            raise ValueError(
+                f"invalid --keep-global-batch {arm!r}; accepted: one of the arms, {', '.join(arm_options)}"
+            )
     return losses
 
 
@@ -145,6 +159,7 @@ def _run_arm(
     loss: tuple[int, int] | None = None,
     rejoin: bool = False,
     restart: bool = False,
+    global_batch: int | None = None,
 ) -> dict:
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
@@ -163,6 +178,8 @@ def _run_arm(
     ]
     if loss is not None:
         worker += [f"--lose-node={loss[0]}", f"--lose-at={loss[1]}"]
+    if global_batch is not None:
+        worker.append(f"--global-batch={global_batch}")
     if restart:  # every worker started again from the job's last checkpoint after the loss
         (checkpoint := out.with_suffix(".checkpoint")).mkdir(exist_ok=True)
         worker.append(f"--checkpoint={checkpoint}")
@@ -270,6 +287,17 @@ def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, 
                 console.print(f"{arm}, repeat {repeat}: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
+def _batches(replicas: list[list[dict]]) -> str:
+    """The survivors' batches per worker, when they changed (--keep-global-batch): '; batch per worker 4 -> 6 (from
+    step 101 to 105)'."""
+    ends = [e for repeat in replicas for e in repeat if len(e.get("batch_sizes", [])) > 1]
+    if not ends:
+        return ""
+    sequences = sorted({" -> ".join(str(size) for _, size in e["batch_sizes"]) for e in ends})
+    steps = [step for e in ends for step, _ in e["batch_sizes"][1:]]
+    return f"; batch per worker {', '.join(sequences)} (changed at steps {min(steps)} to {max(steps)})"
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
@@ -287,6 +315,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
         return 2
+    workers = emulation.nodes * emulation.procs_per_node if emulation is not None else args.nproc_per_node
     runs, code = interleaved_or_exit_code(
         "quality",
         f"bench quality {args.task}",
@@ -306,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
             loss=losses.get(arm),
             rejoin=arm in args.rejoin,
             restart=arm in args.restart,
+            global_batch=args.batch_size * workers if arm in args.keep_global_batch else None,
         ),
         lambda result: (
             f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
@@ -315,9 +345,9 @@ def main(args: argparse.Namespace) -> int:
     if runs is None:
         return code
     summary = summarize(runs)
-    workers = describe_workers(emulation, args.nproc_per_node)
     title = (
-        f"bench quality {args.task}: {args.steps} steps, {workers} x batch {args.batch_size}, "
+        f"bench quality {args.task}: {args.steps} steps, {describe_workers(emulation, args.nproc_per_node)} x batch "
+        f"{args.batch_size}, "
         f"median of {args.repeats}; target loss = plain DDP's + {TOLERANCE:.0%}"
         + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
     )
@@ -332,6 +362,7 @@ def main(args: argparse.Namespace) -> int:
                 f"{s.get('median_wall_seconds', float('nan')):.1f} s from start to end"
                 + (f"; rejoined at step {', '.join(map(str, rejoined))}" if rejoined else "")
                 + (f"; resumed from the checkpoint of step {', '.join(map(str, resumed))}" if resumed else "")
+                + _batches(s["replicas"])
             )
     if args.plot:
         plot_quality(summary, title, args.plot)

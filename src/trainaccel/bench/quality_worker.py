@@ -13,6 +13,8 @@ on_lost_replica=continue the clock is rank 0's own: the slowest worker's time wo
 default group, which a lost worker would end. A worker started again to rejoin (`bench quality --rejoin`) starts its
 loop after the step it joined at, its learning-rate schedule moved on as far; with `--lose-node`, every rank writes
 `OUT.rank<R>` (the step it joined at, a digest of its final parameters) for the replicas to be compared.
+With `--global-batch N` each worker draws N over the workers present (`trainaccel.comm.members`) at each step: the
+survivors of a loss read the lost worker's share, as a script that keeps its global batch does.
 With `--checkpoint DIR`, rank 0 saves the job (model, optimizer, schedule, curve, clock) after each validation, the
 replicas averaged, and a job started again (torchrun's --max-restarts) resumes from it: today's way back from a loss.
 """
@@ -42,7 +44,7 @@ from trainaccel.bench.worker import (
     set_up_arm,
     start_process_group,
 )
-from trainaccel.comm import bytes_sent, rejoined_at, sync_replicas
+from trainaccel.comm import bytes_sent, members, rejoined_at, sync_replicas
 from trainaccel.context import current_config
 
 
@@ -59,6 +61,12 @@ class _Said(logging.Handler):
             self.lines.append(message)
 
 
+def share_of(global_batch: int, present: list[int], rank: int) -> int:
+    """`rank`'s examples of a step's `global_batch` over the workers `present`: equal shares, the first few one more."""
+    share, extra = divmod(global_batch, len(present))
+    return share + (present.index(rank) < extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", choices=ARMS, required=True)
@@ -71,6 +79,7 @@ def main() -> None:
     parser.add_argument("--lose-node", type=int, help="this node's workers kill themselves at --lose-at")
     parser.add_argument("--lose-at", type=int, help="the step before which they do")
     parser.add_argument("--checkpoint", help="a folder: saved to after each validation, resumed from at a restart")
+    parser.add_argument("--global-batch", type=int, help="examples per step over the workers present at each step")
     args = parser.parse_args()
 
     device = start_process_group()
@@ -136,6 +145,11 @@ def main() -> None:
             torch.save(state, saved + ".tmp")
             os.replace(saved + ".tmp", saved)
 
+    def batch_size() -> int:
+        """This worker's share of the step's examples: --batch-size, or --global-batch over the workers present."""
+        return args.batch_size if args.global_batch is None else share_of(args.global_batch, members(model), rank)
+
+    sizes = []  # (step, this worker's batch) at the first step and at each change
     sent_before = bytes_sent(model)
     if not curve:
         curve.append([first, 0.0, *task.evaluate(model.module, validation)])
@@ -143,7 +157,10 @@ def main() -> None:
     for step in range(first + 1, args.steps + 1):
         if lost_here and step == args.lose_at and not first:
             os.kill(os.getpid(), signal.SIGKILL)  # a node lost: its worker gone without a word
-        x, y = (t.to(device) for t in draw())
+        size = batch_size()
+        if not sizes or sizes[-1][1] != size:
+            sizes.append([step, size])
+        x, y = (t.to(device) for t in draw(size))
         loss = task.loss(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -159,7 +176,8 @@ def main() -> None:
         final = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
         digest = hashlib.sha256(final.numpy().tobytes()).hexdigest()
         with open(f"{args.out}.rank{rank}", "w") as f:
-            json.dump({"rank": rank, "rejoined_at": rejoined, "from_step": first, "parameters_sha256": digest}, f)
+            end = {"rank": rank, "rejoined_at": rejoined, "from_step": first, "parameters_sha256": digest}
+            json.dump({**end, "batch_sizes": sizes}, f)
     if rank == 0:
         result = {
             "arm": args.arm,

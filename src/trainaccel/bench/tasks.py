@@ -101,12 +101,13 @@ class Task:
     steps: int
     metric: str  # what `accuracy` counts: "next-byte accuracy" or "accuracy"
 
-    def batches(self, train: Split, batch_size: int, seed: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-        """Draws batches of the training split at random, from a generator of its own."""
+    def batches(self, train: Split, batch_size: int, seed: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """Draws batches of the training split at random, from a generator of its own: `batch_size` examples, or
+        as many as the call asks."""
         g = torch.Generator().manual_seed(seed)
 
-        def draw() -> tuple[torch.Tensor, torch.Tensor]:
-            return train.take(torch.randint(0, len(train), (batch_size,), generator=g))
+        def draw(size: int = batch_size) -> tuple[torch.Tensor, torch.Tensor]:
+            return train.take(torch.randint(0, len(train), (size,), generator=g))
 
         return draw
 

@@ -524,20 +524,35 @@ class DiLoCo:
             self._switch_off_exchange()  # resumed after the warm-up
 
 
-def sync_replicas(model: torch.nn.Module) -> None:
-    """Average a model's replicas now, on every rank, if it trains under sync_every (else nothing)."""
+def _of(model: torch.nn.Module) -> DiLoCo | None:
+    """The DiLoCo `model` (or the module it wraps) trains under, if any."""
     for diloco in list(_live.values()):
         if diloco._module is not None and diloco._module in (model, getattr(model, "module", model)):
-            diloco.sync()
+            return diloco
+    return None
+
+
+def sync_replicas(model: torch.nn.Module) -> None:
+    """Average a model's replicas now, on every rank, if it trains under sync_every (else nothing)."""
+    diloco = _of(model)
+    if diloco is not None:
+        diloco.sync()
 
 
 def rejoined_at(model: torch.nn.Module) -> int:
     """The inner step at which this replica rejoined a running job (on_lost_replica=continue, its rank started
     again): a script that can rejoin starts its loop after it, as one resuming from a checkpoint would. 0 otherwise."""
-    for diloco in list(_live.values()):
-        if diloco._module is not None and diloco._module in (model, getattr(model, "module", model)):
-            return diloco.outer.rejoined_at
-    return 0
+    diloco = _of(model)
+    return diloco.outer.rejoined_at if diloco is not None else 0
+
+
+def members(model: torch.nn.Module) -> list[int]:
+    """The global ranks training `model` now: under sync_every those in its syncs (fewer once on_lost_replica=continue
+    left some out, more again after a rejoin), else every rank of the job. A script keeps its global batch with it."""
+    diloco = _of(model)
+    if diloco is not None:
+        return diloco.members
+    return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
 
 
 def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
