@@ -185,3 +185,36 @@ def test_a_worker_that_dies_as_the_launcher_ends_is_still_said_and_published(tmp
     assert f"local rank 1 (rank 1, pid {workers[1].pid}): its process was ended by SIGKILL" in said, said
     host, port = store["store"]
     assert f"rank 0's failure is not published: the job's store ({host}:{port}) did not answer in 6 s\n" in said
+
+
+@pytest.mark.multiprocess
+def test_a_worker_reaped_before_its_status_was_read_is_published_from_torchruns_report(capfd):
+    # The watchdog's SIGCHLD handler set aside until the worker is reaped, as torchrun's agent can reap it in the
+    # moment before the handler runs: only the agent's report (ChildFailedError: pid, exit code) says how it ended.
+    import signal
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script = "import os, signal, sys; sys.stdin.read(1); os.kill(os.getpid(), signal.SIGKILL)"
+    with Watchdog(interval_s=3600) as watchdog:
+        worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+        beat_ = {"pid": worker.pid, "rank": 2, "local_rank": 0, "time": time.time(), "limit_s": 100}
+        beat_.update(store=["127.0.0.1", store.port], key="job/", world=1)
+        (watchdog.folder / "0.json").write_text(json.dumps(beat_))
+        handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            worker.stdin.write(b"x")
+            worker.stdin.flush()
+            assert worker.wait(timeout=30) == -9  # reaped unseen
+        finally:
+            signal.signal(signal.SIGCHLD, handler)
+        time.sleep(0.5)
+        assert f"pid {worker.pid}" not in capfd.readouterr().err, "the watchdog could not have seen it"
+        assert not store.check(["job/failure"])
+        watchdog.reaped({worker.pid: -9, 99999999: 1})  # (a pid it never knew, with no heartbeat: nothing)
+    said = capfd.readouterr().err
+    assert f"local rank 0 (rank 2, pid {worker.pid}): its process was ended by SIGKILL (signal 9)" in said, said
+    failure = json.loads(store.get("job/failure"))
+    assert failure["rank"] == 2 and "ended by SIGKILL" in failure["reason"], failure
+    assert "99999999" not in said

@@ -21,6 +21,11 @@ SUBNET = "10.213.0"  # lives only inside the namespaces made here
 IFACE = "eth0"
 _LINK = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _SCALE = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+HELP = (
+    "emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root); each worker gets "
+    "OMP_NUM_THREADS = cores / all workers unless it is set; node-cpus=C caps each node at C cores (a cgroup each), "
+    "so that a lost node's cores do not pass to the others"
+)
 CPU_CGROUPS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup")  # cgroup v1's cpu controller, or v2's unified tree
 CPU_PERIOD_US = 10_000  # a short period: a node out of quota waits at most this long, not the default 100 ms
 

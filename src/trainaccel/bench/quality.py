@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainaccel.bench.emulate import HELP as EMULATE_HELP
 from trainaccel.bench.emulate import EmulatedCluster
 from trainaccel.bench.jobs import describe_workers, interleaved_or_exit_code, report_header, run_workers
 from trainaccel.bench.plot import plot_quality
@@ -57,8 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate",
         metavar="SPEC",
-        help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root); each "
-        "worker gets OMP_NUM_THREADS = cores / all workers unless it is set",
+        help=EMULATE_HELP,
     )
     parser.add_argument(
         "--lose",

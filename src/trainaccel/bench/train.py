@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from trainaccel.bench.emulate import HELP as EMULATE_HELP
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, parse_emulate
 from trainaccel.bench.jobs import describe_workers, interleaved_or_exit_code, report_header, run_workers
 from trainaccel.bench.models import MODELS
@@ -55,8 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate",
         metavar="SPEC",
-        help="emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root); each "
-        "worker gets OMP_NUM_THREADS = cores / all workers unless it is set",
+        help=EMULATE_HELP,
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart of the arms (needs trainaccel[plot])")

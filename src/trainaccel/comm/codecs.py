@@ -457,7 +457,8 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
     buffers = getattr(_WORKSPACES, "buffers", None)
     if buffers is None:
         buffers = _WORKSPACES.buffers = _Buffers()
-        _LIVE_WORKSPACES.add(buffers)
+        with _LIVE_LOCK:
+            _LIVE_WORKSPACES.add(buffers)
     buffer = buffers.by_key.get((name, dtype))
     if buffer is None or buffer.numel() < numel:
         buffer = buffers.by_key[(name, dtype)] = torch.empty(numel, dtype=dtype)
@@ -468,7 +469,9 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
 
 def release_workspaces() -> None:
     """Drop every thread's `workspace` buffers (a slice handed out before stays valid: it holds its memory)."""
-    for buffers in list(_LIVE_WORKSPACES):
+    with _LIVE_LOCK:  # a thread making its first buffer meanwhile would change the set under the copy
+        live = list(_LIVE_WORKSPACES)
+    for buffers in live:
         buffers.by_key.clear()
 
 
@@ -483,6 +486,7 @@ class _Buffers:
 
 _WORKSPACES = threading.local()  # each thread's `workspace` buffers, freed with the thread
 _LIVE_WORKSPACES: weakref.WeakSet[_Buffers] = weakref.WeakSet()  # those of the threads alive, for shutdown()
+_LIVE_LOCK = threading.Lock()
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 

@@ -119,8 +119,12 @@ def _run_torchrun(args: argparse.Namespace) -> int:
     if not args.no_python:
         args.module, args.training_script, args.training_script_args = True, worker[1], worker[2:]
     try:
-        with Watchdog(), exit_barrier_without_lost_replicas():
-            run(args)
+        with Watchdog() as watchdog, exit_barrier_without_lost_replicas():
+            try:
+                run(args)
+            except ChildFailedError as e:  # each failed worker's pid and exit code, for those reaped unseen
+                watchdog.reaped({f.pid: f.exitcode for f in e.failures.values() if f.pid > 0})
+                raise
     except ChildFailedError as e:
         e.name = script  # the report's title: the user's script, not the bootstrap that ran it
         print(e.format_msg(), file=sys.stderr)

@@ -48,6 +48,7 @@ class Watchdog:
         self._killed: dict[int, tuple[str, dict]] = {}  # pid -> why the watchdog killed it, and its last heartbeat
         self._statuses: dict[int, os.waitid_result] = {}  # pid -> how it ended, read on SIGCHLD
         self._done: set[int] = set()  # ended children already dealt with
+        self._unread: set[int] = set()  # of those, the ones reaped by torchrun's agent before their status was read
         self._previous_sigchld: object = None
         self._wake_read, self._wake_write = os.pipe()
         for fd in (self._wake_read, self._wake_write):
@@ -156,6 +157,7 @@ class Watchdog:
                     status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # read, left to reap
                 except ChildProcessError:
                     status = None  # reaped already (torchrun's agent was first): how it ended is unknown
+                    self._unread.add(pid)
                 else:
                     if status is None:
                         continue  # alive
@@ -177,6 +179,22 @@ class Watchdog:
                 published.append(failure)
         self.published += published
         return published
+
+    def reaped(self, exit_codes: dict[int, int]) -> None:
+        """How the workers torchrun's agent reports failed ended ({pid: exit code, minus the signal's number for a
+        signal}): those it reaped before this watchdog read their status are published now, as `collect` would have.
+
+        The SIGCHLD handler runs at the main thread's next bytecode; a worker that dies just before the agent's
+        `waitpid` call is reaped unseen. torchrun's `ChildFailedError` keeps each failed worker's pid and exit code.
+        """
+        for pid, code in exit_codes.items():
+            if pid in self._done and pid not in self._unread:
+                continue  # its status was read: said and published already, or no failure of its own
+            self._unread.discard(pid)
+            self._done.discard(pid)
+            killed = (pid, 0, signal.SIGCHLD, -code, os.CLD_KILLED) if code < 0 else None
+            self._statuses[pid] = os.waitid_result(killed or (pid, 0, signal.SIGCHLD, code, os.CLD_EXITED))
+        self._wake()
 
     def _left_behind(self, pid: int) -> dict | None:
         """The heartbeat file that the ended worker `pid` left behind, read; None if it has none."""
