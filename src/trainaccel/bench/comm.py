@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from trainaccel.bench.emulate import HELP as EMULATE_HELP
 from trainaccel.bench.emulate import EmulationError, parse_emulate
 from trainaccel.bench.jobs import bench_session, report_header, run_workers
 from trainaccel.bench.plot import check_available, plot_comm
@@ -49,9 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed allreduces per size (default 1)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers without --emulate (default 2)")
-    parser.add_argument(
-        "--emulate", metavar="SPEC", help="emulated cluster, e.g. nodes=2,procs-per-node=1,link=500mbit"
-    )
+    parser.add_argument("--emulate", metavar="SPEC", help=EMULATE_HELP)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write bus bandwidth vs size (needs trainaccel[plot])")
 
