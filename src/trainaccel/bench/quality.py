@@ -288,8 +288,8 @@ def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, 
 
 
 def _batches(replicas: list[list[dict]]) -> str:
-    """The survivors' batches per worker, when they changed (--keep-global-batch): '; batch per worker 4 -> 6 (from
-    step 101 to 105)'."""
+    """The survivors' batches per worker, when they changed (--keep-global-batch): '; batch per worker 4 -> 6 (changed
+    at steps 101 to 105)'."""
     ends = [e for repeat in replicas for e in repeat if len(e.get("batch_sizes", [])) > 1]
     if not ends:
         return ""
