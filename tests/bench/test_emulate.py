@@ -238,3 +238,21 @@ def test_bench_train_on_an_emulated_cluster_writes_json(tmp_path):
     assert report["arms"]["baseline"]["comm_hook"] is None
     assert report["arms"]["trainaccel"]["comm_hook"] == "trainaccel_comm_hook"
     assert report["arms"]["trainaccel"]["bytes_per_step"] == report["arms"]["baseline"]["bytes_per_step"] / 2
+
+
+def test_a_failed_build_raises_its_own_error_and_says_what_teardown_left(monkeypatch, capsys):
+    from trainaccel.bench import emulate
+
+    def build(self):
+        raise ValueError("the build failed")
+
+    def teardown(self):
+        raise emulate.EmulationError("could not remove the node cgroup /x: busy")
+
+    monkeypatch.setattr(emulate, "why_not_emulated", lambda: None)
+    monkeypatch.setattr(EmulatedCluster, "_build", build)
+    monkeypatch.setattr(EmulatedCluster, "teardown", teardown)
+    with pytest.raises(ValueError, match="the build failed"):
+        with EmulatedCluster(parse_emulate("nodes=2,procs-per-node=1,link=1gbit"), prefix="tatest-fail-"):
+            pass
+    assert "trainaccel: could not remove the node cgroup /x: busy" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 SUBNET = "10.213.0"  # lives only inside the namespaces made here
 IFACE = "eth0"
@@ -161,7 +162,10 @@ class EmulatedCluster:
         try:
             self._build()
         except BaseException:
-            self.teardown()
+            try:
+                self.teardown()
+            except EmulationError as cleanup:  # said beside it: the build's own error is what went wrong
+                print(f"trainaccel: {cleanup}", file=sys.stderr)
             raise
         return self
 
