@@ -48,6 +48,11 @@ class Emulation:
         return float(value) * _SCALE[unit]
 
     @property
+    def workers(self) -> int:
+        """Every node's workers: the job's world size."""
+        return self.nodes * self.procs_per_node
+
+    @property
     def threads_per_worker(self) -> int:
         """OpenMP threads per worker: this machine's cores shared out among every node's workers.
 
@@ -57,7 +62,7 @@ class Emulation:
         """
         if self.node_cpus is not None:
             return max(1, int(self.node_cpus) // self.procs_per_node)
-        return max(1, (os.cpu_count() or 1) // (self.nodes * self.procs_per_node))
+        return max(1, (os.cpu_count() or 1) // self.workers)
 
     def node_env(self, env: dict[str, str]) -> dict[str, str]:
         """`env` for a node's launcher: Gloo on the node's shaped link, `threads_per_worker` unless env sets them."""
@@ -119,7 +124,7 @@ def why_not_emulated() -> str | None:
 def cpu_cgroup_root() -> tuple[str, int] | None:
     """Where nodes' CPU cgroups can be made, and the cgroup version (1 or 2); None if this machine has no such tree."""
     v1, v2 = CPU_CGROUPS
-    if os.path.exists(os.path.join(v1, "cpu.cfs_quota_us")) or os.path.exists(os.path.join(v1, "cpu.shares")):
+    if os.path.exists(os.path.join(v1, "cpu.cfs_quota_us")):  # the file a cap is written to (cpu.shares cannot cap)
         return v1, 1
     try:
         with open(os.path.join(v2, "cgroup.subtree_control")) as f:

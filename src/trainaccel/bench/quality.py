@@ -315,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError, RuntimeError) as e:
         print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
         return 2
-    workers = emulation.nodes * emulation.procs_per_node if emulation is not None else args.nproc_per_node
+    workers = emulation.workers if emulation is not None else args.nproc_per_node
     runs, code = interleaved_or_exit_code(
         "quality",
         f"bench quality {args.task}",
