@@ -6,6 +6,7 @@ import textwrap
 import pytest
 
 from conftest import run, trainaccel_cmd
+from trainaccel.comm import auto_setting
 from trainaccel.comm.auto_setting import H_CAP, PICKED, Measured, choose, left_to_auto, received_bytes, rechoose
 from trainaccel.config import Config
 
@@ -89,16 +90,27 @@ def test_later_rounds_rechoose_h_only_and_say_why():
     assert "\n" not in line and "at 37 MB/s" in line
 
 
+def test_a_probe_is_scaled_to_the_model_it_stands_for():
+    # A probe of a tenth of the model's elements timed at 0.08 s: the whole model's full-precision sync is 0.8 s.
+    probed = choose(Measured(0.045, 0.08, "none", ELEMENTS, 2, ELEMENTS // 10), ALL, 1, 0, "none", 30)
+    whole = choose(Measured(0.045, 0.8, "none", ELEMENTS, 2), ALL, 1, 0, "none", 30)
+    assert (probed.interval, probed.fragments, probed.overlap, probed.codec) == (H_CAP, 4, 1, "fp4")
+    assert (whole.interval, whole.fragments, whole.overlap, whole.codec) == (H_CAP, 4, 1, "fp4")
+    assert "a full-precision probe of 0.702 MiB 0.080 s at 9 MB/s: fp4 makes it 0.10" in probed.line()
+    assert "a full-precision sync 0.800 s at 9 MB/s: fp4 makes it 0.10" in whole.line()
+
+
 SCRIPT = """
 import json, sys, time
 
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm import DiLoCo
+from trainaccel.comm import DiLoCo, auto_setting
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+auto_setting.PROBE_ELEMENTS = int(sys.argv[3])
 torch.manual_seed(0)
 model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -108,6 +120,8 @@ for step in range(1, 31):
     model(torch.randn(8, 256, generator=torch.Generator().manual_seed(rank * 100 + step))).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
+    if step == auto_setting.FIRST:
+        first_round = [diloco.outer.syncs, diloco.outer.bytes_sent]
     if step == 20:
         saved = diloco.state_dict()
 diloco.sync()
@@ -119,6 +133,7 @@ result = {
     "feedback": [outer._feedback is not None, resumed.outer._feedback is not None],
     "resumed": [resumed.outer.interval, len(resumed.outer.fragments), resumed.outer.overlap, resumed.outer._codec.name],
     "syncs": outer.syncs,
+    "first_round": first_round,
     "params": [float(p.double().sum()) for p in model.parameters()],
 }
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
@@ -129,13 +144,24 @@ dist.destroy_process_group()
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "options, env", [({}, {}), ({"sync_fragments": 2}, {}), ({}, {"TRAINACCEL_OUTER_COMPRESSION": "bf16"})]
+    "options, env, probe",
+    [
+        ({}, {}, 0),
+        ({"sync_fragments": 2}, {}, 0),
+        ({}, {"TRAINACCEL_OUTER_COMPRESSION": "bf16"}, 0),
+        # The model (263,168 elements) over the probe's size: its first round syncs none of it and times a probe,
+        # over the whole group, and over the members present.
+        ({"sync_fragments": 2}, {}, 100_000),
+        ({"on_lost_replica": "continue"}, {}, 100_000),
+    ],
+    ids=["defaults", "fragments", "codec", "probe", "probe-members"],
 )
-def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, options, env):
+def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, options, env, probe):
     script = tmp_path / "auto.py"
     script.write_text(textwrap.dedent(SCRIPT))
+    size = probe or auto_setting.PROBE_ELEMENTS
     proc = run(
-        [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, script, tmp_path, json.dumps(options)],
+        [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, script, tmp_path, json.dumps(options), size],
         env={"TRAINACCEL_LOG_LEVEL": "info", **env},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -148,11 +174,17 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
         assert fragments == 2
     assert first["resumed"][1:] == first["setting"][1:]  # the checkpoint's fragments, overlap and codec
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
-    first_choice = [line for line in said if "full-precision sync" in line]  # the measuring round's codec
+    measured = "full-precision probe of 0.381 MiB" if probe else "full-precision sync"  # the measuring round's
+    first_choice = [line for line in said if measured in line]
     assert len(first_choice) == 1, said  # once, from rank 0
     assert len(said) == len(set(said)), said  # each change said once
     if "sync_fragments" in options:
         assert "2 fragments (set)" in first_choice[0]
+    syncs, sent = first["first_round"]
+    if probe:  # nothing of the model synced in the first round; the probe's bytes counted as sent
+        assert syncs == 0 and 4 * probe <= sent < 4 * 263_168, first["first_round"]
+    else:
+        assert syncs == (2 if "sync_fragments" in options else 1) and sent >= 4 * 263_168, first["first_round"]
     if env:
         # The user's lossy codec, taken after the measuring round or from the checkpoint, has error feedback.
         assert first["setting"][3] == "bf16" and "bf16 (set)" in first_choice[0] and first["feedback"] == [True, True]

@@ -1,8 +1,9 @@
 """`sync_every=auto`'s policy: the interval, fragments, overlap and outer codec from a measured step and sync.
 
 The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a full-precision
-exchange (`MEASURING_CODEC`). From the slowest rank's step time and the least any rank waited for that exchange (the
-others also waited for the slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on
+exchange (`MEASURING_CODEC`); a model over `PROBE_ELEMENTS` is not synced in it, a probe of that size is timed instead.
+From the slowest rank's step time and the least any rank waited for that exchange (the others also waited for the
+slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on
 the communication thread, re-choose the interval only (`rechoose()`): fragments and codec change where it is exact.
 
 - outer codec: the least lossy of none, bf16, int8, fp4 whose whole-model sync fits in one inner step (fp4 if none
@@ -26,6 +27,10 @@ FIRST = 4  # the measuring round's inner steps
 # The measuring round's codec. bf16 would halve its wait (2-3% of a 300-step run at 100 Mbit/s) but measured the link
 # at 33-40 MB/s where full precision measured 56 (500 Mbit/s, 3 nodes): its fixed costs weigh more on half the bytes.
 MEASURING_CODEC = "none"
+# A model larger than this (float32 elements) is not synced in full precision to measure the link: its first round ends
+# with a timed full-precision exchange of this many zeros (32 MiB, 2.7 s at 100 Mbit/s between 2 replicas), scaled to
+# the model by `choose()`. A 1B-parameter model's whole-model sync would wait for 4 GB, 5 minutes at 100 Mbit/s.
+PROBE_ELEMENTS = 8 * 2**20
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H
 SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap
@@ -45,6 +50,7 @@ class Measured:
     codec: str
     elements: int  # parameter elements a replica syncs
     replicas: int  # replicas the change is averaged over
+    probed: int = 0  # elements the timed exchange carried where it was a probe (0: the whole model's sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +95,14 @@ def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: in
     """The setting for `measured`; options not in `free` keep the given `fragments`, `overlap`, `codec`; at most
     `tensors` fragments (a fragment holds whole tensors)."""
     step, replicas, elements = measured.step_s, max(measured.replicas, 2), measured.elements
-    measured_bytes = received_bytes(measured.codec, elements, replicas)
+    measured_bytes = received_bytes(measured.codec, measured.probed or elements, replicas)
 
     def sync_in(name: str) -> float:
         return measured.sync_s * received_bytes(name, elements, replicas) / measured_bytes
 
     what = "a full-precision sync" if measured.codec == "none" else f"a {measured.codec} sync"
+    if measured.probed:
+        what = f"a full-precision probe of {measured.probed * 4 / 2**20:.3g} MiB"
     said = f"step {step:.3f} s, {what} {measured.sync_s:.3f} s"
     if measured.sync_s > 0:
         said += f" at {measured_bytes / measured.sync_s / 1e6:.0f} MB/s"

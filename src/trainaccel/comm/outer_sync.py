@@ -89,16 +89,19 @@ class _Auto:
         "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
         "fp16_scale": "Config's fp16_scale, for the codec in use",
         "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
+        "probe": "the model has over auto_setting.PROBE_ELEMENTS elements: the first round syncs none of it and times "
+        "an exchange of that many zeros at its end instead",
         "setting": "the auto_setting.Setting in use (None while measuring)",
         "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
         "skip": "the round after the first choice is not measured: its syncs' exchanges finish in the next one",
     }
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, elements: int):
         self.free = auto_setting.left_to_auto(config)
         self.given_codec, self.fp16_scale = config.outer_compression, config.fp16_scale
         self.measuring, self.setting = True, None
+        self.probe = elements > auto_setting.PROBE_ELEMENTS
         self.exchanged: list[float] = []
         self.rounds: list[tuple[float, float]] = []
         self.skip = False
@@ -210,7 +213,8 @@ class OuterSync:
         device = self.params[0].device if self.params else None
         self._codec = configured = get_codec(config.outer_compression, fp16_scale=config.fp16_scale, device=device)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
-        self._auto = _Auto(config) if self.sync_every == "auto" else None
+        elements = sum(p.numel() for f in self._fragments for p in f.params)
+        self._auto = _Auto(config, elements) if self.sync_every == "auto" else None
         if self._auto is not None:  # the measuring round's syncs: full precision, no residual to carry past it
             self._codec, self._feedback = get_codec(auto_setting.MEASURING_CODEC), None
         self._engine_group = engine_group(self.group)
@@ -368,8 +372,9 @@ class OuterSync:
             for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
                 if fragment.pending is not None and fragment.pending[0] <= self.steps:
                     self._finish(fragment, outer=True)
+            probing = self._auto is not None and self._auto.measuring and self._auto.probe  # no sync: see _probe
             for fragment in self._fragments:
-                if fragment.next_sync == self.steps:
+                if fragment.next_sync == self.steps and not probing:
                     self._begin(fragment, outer=True)
             if self._fragments[-1].next_sync == self.steps:  # the round's last fragment: the next round
                 self._end_round()
@@ -400,6 +405,8 @@ class OuterSync:
         of the next round, without waiting on the exchanges in flight.
         """
         auto = self._auto
+        if auto.measuring and auto.probe:
+            self._probe()
         recent = self._timing[1]
         self._timing[2] = 0.0
         exchanged, auto.exchanged[:] = sum(auto.exchanged), []
@@ -427,7 +434,8 @@ class OuterSync:
             if self.scope == "node" and self._hierarchy is not None:
                 replicas = self._hierarchy.topology.num_nodes
             elements = sum(p.numel() for f in self._fragments for p in f.params)
-            figures = auto_setting.Measured(step_s, -least, self._codec.name, elements, replicas)
+            probed = auto_setting.PROBE_ELEMENTS if auto.probe else 0
+            figures = auto_setting.Measured(step_s, -least, self._codec.name, elements, replicas, probed)
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
             return
@@ -441,9 +449,27 @@ class OuterSync:
             self.interval = setting.interval
             auto.say(setting)
 
+    def _probe(self) -> None:
+        """auto's measuring round for a model over PROBE_ELEMENTS: a sync's exchange of that many zeros, by the path
+        the syncs take and timed as theirs are, in place of the whole model's (choose() scales it to the model)."""
+        change = torch.zeros(auto_setting.PROBE_ELEMENTS, device=self.params[0].device)
+        node = self.scope == "node" and self._hierarchy is not None
+        for tensor, timed in ((change[:4096], False), (change, True)):  # a small one first: NCCL connects on first use
+            if self._membership is not None:
+                name = f"probe@{self.steps}{'' if timed else '-first'}"
+                exchange = self._among_members("probe", tensor, None, name, timed=timed)
+            else:
+                group = self._engine_group
+                exchange = functools.partial(
+                    _average, self._hierarchy, self._codec, None, group, "probe", tensor, None, node
+                )
+                exchange = self._auto.timed(exchange) if timed else exchange
+            self.bytes_sent += comm_thread().submit(exchange, change.device).wait()[2]
+
     def _take(self, setting: auto_setting.Setting) -> None:
-        """auto's first choice, right after the measuring round's whole-model sync: fragments re-split (each tensor
-        keeps its anchor and outer momentum), the codec (no residual yet: the syncs so far were exact), overlap."""
+        """auto's first choice, right after the measuring round's whole-model sync (or probe): fragments re-split (each
+        tensor keeps its anchor and outer momentum), the codec (no residual yet: the syncs so far were exact),
+        overlap."""
         auto = self._auto
         auto.measuring, auto.skip = False, True
         if setting.fragments != len(self._fragments):
@@ -546,7 +572,7 @@ class OuterSync:
         hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
         if self._membership is not None:
             name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
-            average = self._among_members(fragment, change, buffers, name, timed=outer and self._auto is not None)
+            average = self._among_members(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         else:
             key = fragment.key
             average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
@@ -575,11 +601,12 @@ class OuterSync:
         return hang_s
 
     def _among_members(
-        self, fragment: _Fragment, change: torch.Tensor, buffers: torch.Tensor | None, sync: str, timed: bool = False
+        self, key: str, change: torch.Tensor, buffers: torch.Tensor | None, sync: str, timed: bool = False
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, int]]:
-        """on_lost_replica=continue: the sync's exchange over the members present (`Membership.run`), each try from
-        the same inputs and the residual as it was before the sync; `timed`: auto times the try that succeeded."""
-        membership, codec, feedback, key = self._membership, self._codec, self._feedback, fragment.key
+        """on_lost_replica=continue: the sync's exchange (of the fragment `key`) over the members present
+        (`Membership.run`), each try from the same inputs and the residual as it was before the sync; `timed`: auto
+        times the try that succeeded."""
+        membership, codec, feedback = self._membership, self._codec, self._feedback
         hang_s = self._hang_s()
         kept = feedback.residuals.get(key) if feedback is not None else None
         kept = kept.clone() if kept is not None else None
