@@ -158,3 +158,40 @@ def test_bench_train_deepfm_runs_both_arms(tmp_path):
     assert base["parameters"] - ours["parameters"] == tables * 5  # the trainaccel arm keeps them out of DDP
     assert 0 < ours["embedding_rows"] <= tables and 0 < ours["bytes_per_step"] < base["bytes_per_step"]
     assert all(0 < a["final_loss"] < 5 for a in arms.values())
+
+
+def test_auto_choices_are_kept_for_the_result_and_printed_under_the_table():
+    import logging
+
+    from rich.console import Console
+
+    from trainaccel.bench.jobs import print_auto_lines
+    from trainaccel.bench.train import summarize
+    from trainaccel.bench.worker import auto_lines
+    from trainaccel.config import Config
+
+    log = logging.getLogger("trainaccel")
+    level = log.level
+    said, ignored = auto_lines(Config.resolve(env={}, sync_every="auto")), auto_lines(Config.resolve(env={}))
+    try:
+        log.info("sync_every=auto: H=4, 2 fragments, overlap 1, fp4 (step 0.1 s)")
+        log.info("trainaccel config: sync_every=auto")
+    finally:
+        log.removeHandler(said)
+        log.setLevel(level)
+    assert said.lines == ["sync_every=auto: H=4, 2 fragments, overlap 1, fp4 (step 0.1 s)"]
+    assert ignored.lines == [] and ignored not in log.handlers  # sync_every not auto: not attached
+
+    def result(lines: list[str]) -> dict:
+        keys = ("bytes_per_step", "peak_memory_bytes", "comm_hook", "parameters", "amp", "compiled", "final_loss")
+        return {"examples_per_s_per_worker": 1.0, **dict.fromkeys(keys, 0), "auto_settings": lines}
+
+    summary = summarize({"auto": [result(said.lines), result(["sync_every=auto: H=3"])], "plain": [result([])]})
+    assert summary["auto"]["auto_settings"] == [said.lines, ["sync_every=auto: H=3"]]
+    assert "auto_settings" not in summary["plain"]
+    console = Console(record=True, width=200)
+    print_auto_lines(console, summary)
+    assert console.export_text().splitlines() == [
+        "auto, repeat 1: sync_every=auto: H=4, 2 fragments, overlap 1, fp4 (step 0.1 s)",
+        "auto, repeat 2: sync_every=auto: H=3",
+    ]

@@ -1,11 +1,12 @@
-"""Exit waits until communication threads have released the hook's callbacks (else: SIGABRT at exit)."""
+"""Exit waits until communication threads have released the hook's callbacks and finished their jobs (else: SIGABRT
+at exit)."""
 
 import threading
 import time
 
 import pytest
 
-from conftest import run, torchrun_cmd
+from conftest import run, torchrun_cmd, trainaccel_cmd
 from trainaccel.comm import exit_guard
 
 
@@ -60,3 +61,45 @@ def test_workers_exit_cleanly_right_after_backward(tmp_path):
     proc = run([*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", script])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "terminate called" not in proc.stderr
+
+
+LATE_JOBS = """
+import sys, time, torch, torch.distributed as dist
+from trainaccel.comm import DiLoCo
+from trainaccel.comm.scheduler import comm_thread, engine_group
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+model = torch.nn.Linear(4, 4)
+DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)  # dropped at once, as a script may
+group = engine_group(dist.group.WORLD)
+
+def late_sum():
+    time.sleep(1.0)  # still queued when the script destroys the group
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total, group=group)
+    with open(f"{out}/sum{rank}", "w") as f:
+        f.write(str(total.item()))
+
+def late_write():
+    time.sleep(1.0)  # still running when the script ends
+    with open(f"{out}/end{rank}", "w") as f:
+        f.write("ran")
+
+comm_thread().submit(late_sum)
+dist.destroy_process_group()
+comm_thread().submit(late_write)
+"""
+
+
+@pytest.mark.multiprocess
+def test_jobs_still_queued_run_before_their_group_goes_and_before_the_process_ends(tmp_path):
+    # A sync whose model was dropped, or auto's figures, still run when the script destroys its group or ends:
+    # run to their end first (a job ending during finalization aborts the process).
+    script = tmp_path / "late_jobs.py"
+    script.write_text(LATE_JOBS)
+    proc = run([*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", "2", script, tmp_path])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "terminate called" not in proc.stderr
+    for rank in range(2):
+        assert (tmp_path / f"sum{rank}").read_text() == "3.0"  # the allreduce ran on the live group
+        assert (tmp_path / f"end{rank}").read_text() == "ran"

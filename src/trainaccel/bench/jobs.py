@@ -152,6 +152,14 @@ def interleaved_or_exit_code(
     return runs, 0
 
 
+def print_auto_lines(console: object, summary: dict[str, dict]) -> None:
+    """sync_every=auto's choices under a report's table: each arm's, each repeat's, as its rank 0 logged them."""
+    for arm, s in summary.items():
+        for repeat, lines in enumerate(s.get("auto_settings", []), 1):
+            for line in lines:
+                console.print(f"{arm}, repeat {repeat}: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
 def describe_workers(emulation: Emulation | None, nproc_per_node: int) -> str:
     """`2 nodes x 2 workers, link 500mbit, 1 thread each[, 0.67 cores per node]`, or `2 workers` on this machine alone:
     a table's title."""

@@ -19,7 +19,13 @@ from pathlib import Path
 
 from trainaccel.bench.emulate import HELP as EMULATE_HELP
 from trainaccel.bench.emulate import EmulatedCluster
-from trainaccel.bench.jobs import describe_workers, interleaved_or_exit_code, report_header, run_workers
+from trainaccel.bench.jobs import (
+    describe_workers,
+    interleaved_or_exit_code,
+    print_auto_lines,
+    report_header,
+    run_workers,
+)
 from trainaccel.bench.plot import plot_quality
 from trainaccel.bench.tasks import TASKS
 from trainaccel.bench.train import arm_settings, parse_arms
@@ -281,10 +287,7 @@ def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, 
         )
     console = Console(width=max(120, Console().width))
     console.print(table)
-    for arm, s in summary.items():  # sync_every=auto's choices, each repeat's, as its rank 0 logged them
-        for repeat, lines in enumerate(s.get("auto_settings", []), 1):
-            for line in lines:
-                console.print(f"{arm}, repeat {repeat}: {line}", markup=False, highlight=False, soft_wrap=True)
+    print_auto_lines(console, summary)
 
 
 def _batches(replicas: list[list[dict]]) -> str:

@@ -24,7 +24,6 @@ replicas averaged, and a job started again (torchrun's --max-restarts) resumes f
 import argparse
 import hashlib
 import json
-import logging
 import os
 import signal
 import time
@@ -38,6 +37,7 @@ from trainaccel.amp import scaled
 from trainaccel.bench.tasks import get_task, warmup_cosine
 from trainaccel.bench.worker import (
     ARMS,
+    auto_lines,
     comm_hook,
     release_process_group,
     sent_per_step,
@@ -46,19 +46,6 @@ from trainaccel.bench.worker import (
 )
 from trainaccel.comm import bytes_sent, members, rejoined_at, sync_replicas
 from trainaccel.context import current_config
-
-
-class _Said(logging.Handler):
-    """Keeps the trainaccel log lines that start with `prefix` (sync_every=auto's choices), for the result."""
-
-    def __init__(self, prefix: str):
-        super().__init__(logging.INFO)
-        self.prefix, self.lines = prefix, []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith(self.prefix):
-            self.lines.append(message)
 
 
 def share_of(global_batch: int, present: list[int], rank: int) -> int:
@@ -104,12 +91,7 @@ def main() -> None:
     curve = []  # (step, seconds of training so far, validation loss, validation accuracy)
     elapsed, started = 0.0, 0.0
     config = current_config()
-    said = _Said("sync_every=auto:")
-    if config is not None and config.sync_every == "auto":  # its choices go into the result, whatever log_level says
-        trainaccel_log = logging.getLogger("trainaccel")
-        trainaccel_log.addHandler(said)
-        if not trainaccel_log.isEnabledFor(logging.INFO):
-            trainaccel_log.setLevel(logging.INFO)
+    said = auto_lines(config)  # sync_every=auto's choices go into the result
     own_clock = config is not None and config.on_lost_replica == "continue"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # a job started again loses nothing more
     lost_here = args.lose_node is not None and int(os.environ.get("GROUP_RANK", "0")) == args.lose_node and not attempt

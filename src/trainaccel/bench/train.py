@@ -11,7 +11,13 @@ from pathlib import Path
 
 from trainaccel.bench.emulate import HELP as EMULATE_HELP
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, parse_emulate
-from trainaccel.bench.jobs import describe_workers, interleaved_or_exit_code, report_header, run_workers
+from trainaccel.bench.jobs import (
+    describe_workers,
+    interleaved_or_exit_code,
+    print_auto_lines,
+    report_header,
+    run_workers,
+)
 from trainaccel.bench.models import MODELS
 from trainaccel.bench.plot import check_available, plot_train
 from trainaccel.bench.recsys import RECSYS_MODELS
@@ -179,6 +185,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "final_loss": statistics.median(r["final_loss"] for r in results),
         }
         entry.update({k: results[-1][k] for k in ("embedding_rows", "embedding_bytes_per_step") if k in results[-1]})
+        if any(r.get("auto_settings") for r in results):
+            entry["auto_settings"] = [r.get("auto_settings", []) for r in results]  # per repeat, as logged
         if base:
             entry["ratio_vs_baseline"] = statistics.median(
                 r / b["examples_per_s_per_worker"] for r, b in zip(rates, base)
@@ -217,7 +225,9 @@ def render(summary: dict[str, dict], title: str) -> None:
             + (f" ({s['model_memory_bytes'] / base_memory:.0%})" if base_memory else ""),
             f"{s['final_loss']:.4f}",
         )
-    Console(width=max(130, Console().width)).print(table)
+    console = Console(width=max(130, Console().width))
+    console.print(table)
+    print_auto_lines(console, summary)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ communicates nothing, the compute-only ceiling).
 
 import argparse
 import json
+import logging
 import os
 import time
 from typing import Callable
@@ -24,11 +25,39 @@ from trainaccel.amp import scaled
 from trainaccel.bench.models import get_model
 from trainaccel.comm import bytes_per_step, bytes_sent
 from trainaccel.compiler import is_compiled
+from trainaccel.context import current_config
 from trainaccel.monitor.metrics import peak_memory_bytes
 from trainaccel.sharding import ShardedDataParallel
 
 ARMS = ("baseline", "torch-bf16", "torch-fp16", "trainaccel", "local")
 TORCH_HOOKS = {"torch-bf16": default_hooks.bf16_compress_hook, "torch-fp16": default_hooks.fp16_compress_hook}
+
+
+class AutoLines(logging.Handler):
+    """Keeps trainaccel's log lines that start with `sync_every=auto:` (its choices), for a worker's result."""
+
+    PREFIX = "sync_every=auto:"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.PREFIX):
+            self.lines.append(message)
+
+
+def auto_lines(config: object) -> AutoLines:
+    """A handler keeping sync_every=auto's choices under `config` (trainaccel's resolved configuration), whatever
+    log_level says; it keeps none where sync_every is not auto."""
+    said = AutoLines()
+    if config is not None and getattr(config, "sync_every", None) == "auto":
+        trainaccel_log = logging.getLogger("trainaccel")
+        trainaccel_log.addHandler(said)
+        if not trainaccel_log.isEnabledFor(logging.INFO):
+            trainaccel_log.setLevel(logging.INFO)
+    return said
 
 
 def cuda_available() -> bool:
@@ -135,6 +164,7 @@ def main() -> None:
         spec.build().to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
     set_up_arm(model, args.arm)
+    said = auto_lines(current_config())
     optimizer = scaled(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))  # loss scaling if amp=fp16
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch_size, *spec.example_shape(args.image_size), generator=g).to(device)
@@ -173,6 +203,7 @@ def main() -> None:
             "final_loss": loss.item(),
             "amp": str(amp.dtype).removeprefix("torch.") if amp is not None else None,
             "compiled": is_compiled(model),
+            "auto_settings": said.lines,
         }
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -10,6 +10,7 @@ also what NCCL needs to drive several communicators without deadlock.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import queue
@@ -52,6 +53,14 @@ class CommThread:
             ready.record(torch.cuda.current_stream(device))
         self._jobs.put((job, fut, device if cuda else None, ready))
         return fut
+
+    def finished(self, timeout_s: float | None = None) -> bool:
+        """Wait until the jobs submitted so far have run, at most `timeout_s`; whether they have."""
+        if not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._jobs.put((done.set, torch.futures.Future(), None, None))
+        return done.wait(timeout_s)
 
     def stop(self) -> None:
         """Finish the jobs submitted so far, then end the thread."""
@@ -103,6 +112,23 @@ def comm_thread() -> CommThread:
         _thread = CommThread()
         context.on_undo("communication thread", stop_comm_thread)
     return _thread
+
+
+def finish_comm_jobs(timeout_s: float | None = None) -> bool:
+    """Wait for the communication thread's jobs submitted so far (if it runs), at most `timeout_s`; whether done."""
+    return _thread is None or _thread.finished(timeout_s)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """At exit, the jobs still queued run first (collectives every rank started: a sync whose model was dropped).
+
+    A job ending once the interpreter finalizes aborts the process ("terminate called without an active exception"):
+    the c10d work its frame holds frees its tensors by taking the GIL back, and a thread that cannot is ended by
+    pthread_exit through C++ frames. The wait is bounded by the collectives' own timeout.
+    """
+    config = context.current_config()
+    finish_comm_jobs(config.collective_timeout if config is not None else None)
 
 
 def stop_comm_thread() -> None:
