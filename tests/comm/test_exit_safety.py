@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import run, torchrun_cmd, trainaccel_cmd
-from trainaccel.comm import exit_guard
+from trainaccel.comm import exit_guard, scheduler
 
 
 def test_exit_drain_waits_for_release_by_another_thread():
@@ -37,6 +37,26 @@ def test_exit_drain_gives_up_after_its_timeout():
     assert 0.05 <= time.monotonic() - started < 1.0
     del callback
     assert not exit_guard._unreleased_callbacks
+
+
+def test_queued_jobs_are_waited_for_within_a_bound_and_not_while_an_error_ends_the_process(monkeypatch):
+    monkeypatch.setattr(scheduler, "FINISH_WAIT_S", 0.2)
+    release = threading.Event()
+    scheduler.comm_thread().submit(lambda: release.wait(10))  # a collective whose peers never come
+    try:
+        started = time.monotonic()
+        try:
+            raise RuntimeError("a peer is gone")
+        except RuntimeError:
+            assert scheduler.finish_queued_jobs() is False  # an error ends the process: no wait
+        assert time.monotonic() - started < 0.1
+        assert scheduler.finish_queued_jobs() is False  # waited FINISH_WAIT_S, in vain
+        assert time.monotonic() - started >= 0.2
+        release.set()
+        assert scheduler.finish_queued_jobs() is True
+    finally:
+        release.set()
+        scheduler.stop_comm_thread()
 
 
 SCRIPT = """

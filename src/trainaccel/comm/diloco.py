@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.comm.outer_sync import OuterSync, resolve
-from trainaccel.comm.scheduler import comm_thread, finish_comm_jobs
+from trainaccel.comm.scheduler import comm_thread, finish_queued_jobs
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
@@ -775,9 +775,7 @@ def _draining_first(destroy: Any) -> Any:
         if group is None or group is dist.group.WORLD:
             for _, diloco in sorted(_live.items()):
                 diloco.outer.drain()  # syncs in flight, which every rank started: applied before their group goes
-            # Those of a model already dropped, and auto's figures: run to their end while their group lives.
-            config = context.current_config()
-            finish_comm_jobs(config.collective_timeout if config is not None else None)
+            finish_queued_jobs()  # those of a model already dropped, and auto's figures, while their group lives
         return destroy(group)
 
     return destroy_process_group

@@ -14,6 +14,7 @@ import atexit
 import collections
 import logging
 import queue
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -103,6 +104,7 @@ def _complete(job: Callable[[], torch.Tensor], fut: torch.futures.Future) -> Non
 
 
 _thread: CommThread | None = None
+_at_exit: list = []  # finish_queued_jobs once registered with atexit
 
 
 def comm_thread() -> CommThread:
@@ -111,24 +113,27 @@ def comm_thread() -> CommThread:
     if _thread is None:
         _thread = CommThread()
         context.on_undo("communication thread", stop_comm_thread)
+        if not _at_exit:  # registered after the heartbeat's exit hook, so it runs first: the peers see this rank alive
+            _at_exit.append(atexit.register(finish_queued_jobs))
     return _thread
 
 
-def finish_comm_jobs(timeout_s: float | None = None) -> bool:
-    """Wait for the communication thread's jobs submitted so far (if it runs), at most `timeout_s`; whether done."""
-    return _thread is None or _thread.finished(timeout_s)
+# The longest wait for the jobs still queued when a group goes or the process ends (the collective timeout if less).
+FINISH_WAIT_S = 30.0
 
 
-@atexit.register
-def _finish_at_exit() -> None:
-    """At exit, the jobs still queued run first (collectives every rank started: a sync whose model was dropped).
+def finish_queued_jobs() -> bool:
+    """Before a group is destroyed or the process ends: the jobs queued so far (collectives every rank started, such as
+    a sync of a model already dropped) run to their end, at most FINISH_WAIT_S; whether they did.
 
-    A job ending once the interpreter finalizes aborts the process ("terminate called without an active exception"):
-    the c10d work its frame holds frees its tensors by taking the GIL back, and a thread that cannot is ended by
-    pthread_exit through C++ frames. The wait is bounded by the collectives' own timeout.
+    Not while an error is ending the process: its peers may never finish them. A job that ends once the interpreter
+    finalizes aborts the process ("terminate called without an active exception"): the c10d work its frame holds
+    frees its tensors by taking the GIL back, and a thread that cannot is ended by pthread_exit through C++ frames.
     """
+    if _thread is None or sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None:
+        return _thread is None
     config = context.current_config()
-    finish_comm_jobs(config.collective_timeout if config is not None else None)
+    return _thread.finished(min(FINISH_WAIT_S, config.collective_timeout) if config is not None else FINISH_WAIT_S)
 
 
 def stop_comm_thread() -> None:
