@@ -40,14 +40,19 @@ def test_an_nccl_only_group_takes_the_gpu_for_every_collective(nccl_only):
 
 
 @pytest.mark.parametrize(
-    "options",
+    "options, probe",
     [
-        {"sync_every": "auto"},  # auto's timings were a CPU float64 tensor all-reduced over the group
-        {"sync_every": 2, "outer_compression": "fp4", "sync_fragments": 2, "sync_overlap": 1},
-        {"compression": "fp16", "metrics_every": 2, "straggler_every": 2},  # metrics and stragglers pool on it
+        ({"sync_every": "auto"}, False),  # auto's timings were a CPU float64 tensor all-reduced over the group
+        ({"sync_every": "auto"}, True),  # a model over the probe's size: its first round times a probe on the GPU
+        ({"sync_every": 2, "outer_compression": "fp4", "sync_fragments": 2, "sync_overlap": 1}, False),
+        ({"compression": "fp16", "metrics_every": 2, "straggler_every": 2}, False),  # metrics and stragglers pool on it
     ],
 )
-def test_zero_code_trains_on_a_scripts_nccl_only_group(nccl_only, options):
+def test_zero_code_trains_on_a_scripts_nccl_only_group(nccl_only, options, probe, monkeypatch):
+    if probe:
+        from trainaccel.comm import auto_setting
+
+        monkeypatch.setattr(auto_setting, "PROBE_ELEMENTS", 16)
     trainaccel.init(start_process_group=False, **options)
     dist.init_process_group("nccl")
     torch.manual_seed(0)
