@@ -89,8 +89,8 @@ class _Auto:
         "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
         "fp16_scale": "Config's fp16_scale, for the codec in use",
         "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
-        "probe": "the model has over auto_setting.PROBE_ELEMENTS elements: the first round syncs none of it and times "
-        "an exchange of that many zeros at its end instead",
+        "elements": "the parameter elements a replica syncs (over auto_setting.PROBE_ELEMENTS: the first round syncs "
+        "none of them and times an exchange of that many zeros at its end instead, `probe`)",
         "setting": "the auto_setting.Setting in use (None while measuring)",
         "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
@@ -100,11 +100,15 @@ class _Auto:
     def __init__(self, config: Config, elements: int):
         self.free = auto_setting.left_to_auto(config)
         self.given_codec, self.fp16_scale = config.outer_compression, config.fp16_scale
-        self.measuring, self.setting = True, None
-        self.probe = elements > auto_setting.PROBE_ELEMENTS
+        self.measuring, self.setting, self.elements = True, None, elements
         self.exchanged: list[float] = []
         self.rounds: list[tuple[float, float]] = []
         self.skip = False
+
+    @property
+    def probe(self) -> bool:
+        """Whether the first round times a probe rather than syncing the model."""
+        return self.elements > auto_setting.PROBE_ELEMENTS
 
     def timed(self, exchange: Callable[..., Any]) -> Callable[..., Any]:
         """`exchange`, its seconds noted in `exchanged` when it succeeds."""
@@ -433,9 +437,8 @@ class OuterSync:
             replicas = len(self.members)
             if self.scope == "node" and self._hierarchy is not None:
                 replicas = self._hierarchy.topology.num_nodes
-            elements = sum(p.numel() for f in self._fragments for p in f.params)
             probed = auto_setting.PROBE_ELEMENTS if auto.probe else 0
-            figures = auto_setting.Measured(step_s, -least, self._codec.name, elements, replicas, probed)
+            figures = auto_setting.Measured(step_s, -least, self._codec.name, auto.elements, replicas, probed)
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
             return
@@ -453,17 +456,8 @@ class OuterSync:
         """auto's measuring round for a model over PROBE_ELEMENTS: a sync's exchange of that many zeros, by the path
         the syncs take and timed as theirs are, in place of the whole model's (choose() scales it to the model)."""
         change = torch.zeros(auto_setting.PROBE_ELEMENTS, device=self.params[0].device)
-        node = self.scope == "node" and self._hierarchy is not None
         for tensor, timed in ((change[:4096], False), (change, True)):  # a small one first: NCCL connects on first use
-            if self._membership is not None:
-                name = f"probe@{self.steps}{'' if timed else '-first'}"
-                exchange = self._among_members("probe", tensor, None, name, timed=timed)
-            else:
-                group = self._engine_group
-                exchange = functools.partial(
-                    _average, self._hierarchy, self._codec, None, group, "probe", tensor, None, node
-                )
-                exchange = self._auto.timed(exchange) if timed else exchange
+            exchange = self._exchange("probe", tensor, None, f"probe@{self.steps}{'' if timed else '-first'}", timed)
             self.bytes_sent += comm_thread().submit(exchange, change.device).wait()[2]
 
     def _take(self, setting: auto_setting.Setting) -> None:
@@ -569,15 +563,8 @@ class OuterSync:
             buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
         if buffers is not None:
             buffers.div_(world)
-        hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
-        if self._membership is not None:
-            name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
-            average = self._among_members(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
-        else:
-            key = fragment.key
-            average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
-            if outer and self._auto is not None:
-                average = self._auto.timed(average)
+        name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
+        average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         measuring = self._auto is not None and self._auto.measuring  # auto's first round waits for its syncs
         overlapped = outer and self.overlap > 0 and not measuring
         snapshot = None  # what the steps taken while the exchange runs are measured from
@@ -591,6 +578,19 @@ class OuterSync:
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
             self._finish(fragment, outer)
+
+    def _exchange(
+        self, key: str, change: torch.Tensor, buffers: torch.Tensor | None, sync: str, timed: bool
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None, int]]:
+        """A sync's exchange of `change` and `buffers` (fragment `key`), for the communication thread: over the members
+        present (on_lost_replica=continue, under the name `sync`), else over the group, in two levels where the
+        hierarchy says; `timed`: auto times it."""
+        if self._membership is not None:
+            return self._among_members(key, change, buffers, sync, timed=timed)
+        node = self.scope == "node" and self._hierarchy is not None
+        hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
+        average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
+        return self._auto.timed(average) if timed else average
 
     def _hang_s(self) -> float | None:
         """How long a sync waits for a member alive but absent: hang_timeout (auto: from the recent step times)."""

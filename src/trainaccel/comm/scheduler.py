@@ -104,17 +104,20 @@ def _complete(job: Callable[[], torch.Tensor], fut: torch.futures.Future) -> Non
 
 
 _thread: CommThread | None = None
-_at_exit: list = []  # finish_queued_jobs once registered with atexit
+_finishes_at_exit = False  # finish_queued_jobs registered with atexit
 
 
 def comm_thread() -> CommThread:
     """This process's communication thread (started on first use)."""
-    global _thread
+    global _thread, _finishes_at_exit
     if _thread is None:
         _thread = CommThread()
         context.on_undo("communication thread", stop_comm_thread)
-        if not _at_exit:  # registered after the heartbeat's exit hook, so it runs first: the peers see this rank alive
-            _at_exit.append(atexit.register(finish_queued_jobs))
+        if (
+            not _finishes_at_exit
+        ):  # registered after the heartbeat's exit hook, it runs first: peers see this rank alive
+            atexit.register(finish_queued_jobs)
+            _finishes_at_exit = True
     return _thread
 
 
