@@ -84,11 +84,17 @@ def test_workers_exit_cleanly_right_after_backward(tmp_path):
 
 
 LATE_JOBS = """
-import sys, time, torch, torch.distributed as dist
+import atexit, sys, threading, time, torch, torch.distributed as dist
 from trainaccel.comm import DiLoCo
 from trainaccel.comm.scheduler import comm_thread, engine_group
 dist.init_process_group("gloo")
 rank, out = dist.get_rank(), sys.argv[1]
+
+@atexit.register  # registered first, so it runs after trainaccel's own exit hooks
+def threads_left():
+    with open(f"{out}/threads{rank}", "w") as f:
+        f.write(",".join(sorted(t.name for t in threading.enumerate() if t.name.startswith("trainaccel-comm"))))
+
 model = torch.nn.Linear(4, 4)
 DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)  # dropped at once, as a script may
 group = engine_group(dist.group.WORLD)
@@ -123,3 +129,6 @@ def test_jobs_still_queued_run_before_their_group_goes_and_before_the_process_en
     for rank in range(2):
         assert (tmp_path / f"sum{rank}").read_text() == "3.0"  # the allreduce ran on the live group
         assert (tmp_path / f"end{rank}").read_text() == "ran"
+        # Ended, not merely idle: a thread left running into finalization aborts the process when it takes the GIL
+        # back from C++ (a CUDA future's completion after its last job, say).
+        assert (tmp_path / f"threads{rank}").read_text() == ""

@@ -63,10 +63,11 @@ class CommThread:
         self._jobs.put((done.set, torch.futures.Future(), None, None))
         return done.wait(timeout_s)
 
-    def stop(self) -> None:
-        """Finish the jobs submitted so far, then end the thread."""
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Finish the jobs submitted so far, then end the thread, waiting at most `timeout_s`; whether it ended."""
         self._jobs.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -116,7 +117,7 @@ def comm_thread() -> CommThread:
         if (
             not _finishes_at_exit
         ):  # registered after the heartbeat's exit hook, it runs first: peers see this rank alive
-            atexit.register(finish_queued_jobs)
+            atexit.register(_end_at_exit)
             _finishes_at_exit = True
     return _thread
 
@@ -133,10 +134,27 @@ def finish_queued_jobs() -> bool:
     finalizes aborts the process ("terminate called without an active exception"): the c10d work its frame holds
     frees its tensors by taking the GIL back, and a thread that cannot is ended by pthread_exit through C++ frames.
     """
-    if _thread is None or sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None:
+    if _thread is None or _ending_on_error():
         return _thread is None
+    return _thread.finished(_finish_wait_s())
+
+
+def _ending_on_error() -> bool:
+    return sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None
+
+
+def _finish_wait_s() -> float:
     config = context.current_config()
-    return _thread.finished(min(FINISH_WAIT_S, config.collective_timeout) if config is not None else FINISH_WAIT_S)
+    return min(FINISH_WAIT_S, config.collective_timeout) if config is not None else FINISH_WAIT_S
+
+
+def _end_at_exit() -> None:
+    """At exit, the queued jobs run as in finish_queued_jobs, then the thread ends: a thread merely woken to say they
+    ran would go on in C++ (a future's completion, a CUDA event's query) with the GIL released, and abort the process
+    when it takes the GIL back during finalization."""
+    global _thread
+    if _thread is not None and not _ending_on_error() and _thread.stop(_finish_wait_s()):
+        _thread = None
 
 
 def stop_comm_thread() -> None:
