@@ -122,6 +122,8 @@ for step in range(1, 31):
     optimizer.zero_grad()
     if step == auto_setting.FIRST:
         first_round = [diloco.outer.syncs, diloco.outer.bytes_sent]
+    if step == auto_setting.FIRST + 1:  # one step of overlap: the first round's syncs applied
+        first_round += [diloco.outer.syncs, diloco.outer.bytes_sent]
     if step == 20:
         saved = diloco.state_dict()
 diloco.sync()
@@ -149,8 +151,8 @@ dist.destroy_process_group()
         ({}, {}, 0),
         ({"sync_fragments": 2}, {}, 0),
         ({}, {"TRAINACCEL_OUTER_COMPRESSION": "bf16"}, 0),
-        # The model (263,168 elements) over the probe's size: its first round syncs none of it and times a probe,
-        # over the whole group, and over the members present.
+        # The model (263,168 elements) over the probe's size: its first round times a probe, then syncs in the setting
+        # chosen; over the whole group, and over the members present.
         ({"sync_fragments": 2}, {}, 100_000),
         ({"on_lost_replica": "continue"}, {}, 100_000),
     ],
@@ -180,11 +182,14 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     assert len(said) == len(set(said)), said  # each change said once
     if "sync_fragments" in options:
         assert "2 fragments (set)" in first_choice[0]
-    syncs, sent = first["first_round"]
-    if probe:  # nothing of the model synced in the first round; the probe's bytes counted as sent
-        assert syncs == 0 and 4 * probe <= sent < 4 * 263_168, first["first_round"]
+    syncs, sent, applied, sent_by_then = first["first_round"]
+    if probe:  # the probe's bytes (and its small first exchange's); then the round's change in the setting chosen
+        assert sent == 4 * (probe + 4096) and syncs == 0, first["first_round"]
+        assert applied == fragments, first["first_round"]  # every fragment's, applied a step later
+        assert 263_168 / 2 <= sent_by_then - sent <= 4 * 263_168, first["first_round"]  # fp4's size to float32's
     else:
-        assert syncs == (2 if "sync_fragments" in options else 1) and sent >= 4 * 263_168, first["first_round"]
+        assert syncs == applied == (2 if "sync_fragments" in options else 1), first["first_round"]
+        assert sent >= 4 * 263_168, first["first_round"]
     if env:
         # The user's lossy codec, taken after the measuring round or from the checkpoint, has error feedback.
         assert first["setting"][3] == "bf16" and "bf16 (set)" in first_choice[0] and first["feedback"] == [True, True]

@@ -1,7 +1,8 @@
 """`sync_every=auto`'s policy: the interval, fragments, overlap and outer codec from a measured step and sync.
 
 The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a full-precision
-exchange (`MEASURING_CODEC`); a model over `PROBE_ELEMENTS` is not synced in it, a probe of that size is timed instead.
+exchange (`MEASURING_CODEC`); a model over `PROBE_ELEMENTS` times a probe of that size instead, then syncs the round's
+change in the setting chosen.
 From the slowest rank's step time and the least any rank waited for that exchange (the others also waited for the
 slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on
 the communication thread, re-choose the interval only (`rechoose()`): fragments and codec change where it is exact.
@@ -29,7 +30,8 @@ FIRST = 4  # the measuring round's inner steps
 MEASURING_CODEC = "none"
 # A model larger than this (float32 elements) is not synced in full precision to measure the link: its first round ends
 # with a timed full-precision exchange of this many zeros (32 MiB, 2.7 s at 100 Mbit/s between 2 replicas), scaled to
-# the model by `choose()`. A 1B-parameter model's whole-model sync would wait for 4 GB, 5 minutes at 100 Mbit/s.
+# the model by `choose()`, then syncs the round in the setting chosen. A 1B-parameter model's whole-model sync in full
+# precision would wait for 4 GB, 5 minutes at 100 Mbit/s.
 PROBE_ELEMENTS = 8 * 2**20
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H

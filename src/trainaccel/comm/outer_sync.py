@@ -376,7 +376,7 @@ class OuterSync:
             for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
                 if fragment.pending is not None and fragment.pending[0] <= self.steps:
                     self._finish(fragment, outer=True)
-            probing = self._auto is not None and self._auto.measuring and self._auto.probe  # no sync: see _probe
+            probing = self._auto is not None and self._auto.measuring and self._auto.probe  # synced after: _choose
             for fragment in self._fragments:
                 if fragment.next_sync == self.steps and not probing:
                     self._begin(fragment, outer=True)
@@ -441,6 +441,11 @@ class OuterSync:
             figures = auto_setting.Measured(step_s, -least, self._codec.name, auto.elements, replicas, probed)
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
+            if auto.probe:  # the round's change, synced now in the setting chosen: the replicas average after the
+                # first round, as when a whole-model sync measures; overlapped if the next round leaves it room
+                wait = self.interval // len(self._fragments) < self.overlap
+                for fragment in self._fragments:
+                    self._begin(fragment, outer=True, wait=wait)
             return
         if previous is None:
             return
@@ -545,10 +550,10 @@ class OuterSync:
         nesterov = self.outer_optimizer == "nesterov" and momentum > 0  # torch's SGD refuses Nesterov without it
         return torch.optim.SGD(anchors, lr=lr, momentum=momentum, nesterov=nesterov)
 
-    def _begin(self, fragment: _Fragment, outer: bool) -> None:
+    def _begin(self, fragment: _Fragment, outer: bool, wait: bool = False) -> None:
         """Start averaging a fragment's change (anchor - parameters) on the communication thread.
 
-        A regular sync with sync_overlap is applied `overlap` steps later; any other finishes here.
+        A regular sync with sync_overlap is applied `overlap` steps later; any other (or with `wait`) finishes here.
         """
         world = dist.get_world_size(self.group)
         node = self.scope == "node" and self._hierarchy is not None
@@ -566,7 +571,7 @@ class OuterSync:
         name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
         average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         measuring = self._auto is not None and self._auto.measuring  # auto's first round waits for its syncs
-        overlapped = outer and self.overlap > 0 and not measuring
+        overlapped = outer and self.overlap > 0 and not measuring and not wait
         snapshot = None  # what the steps taken while the exchange runs are measured from
         if overlapped:  # `values` is a copy of its own, used no more here: it is the snapshot when there are no buffers
             snapshot = (
