@@ -665,8 +665,8 @@ class OuterSync:
             values = [*targets, *(buffers.split(sizes(fragment.buffers)) if buffers is not None else [])]
             then = snapshot.split(sizes(tensors)) if snapshot is not None else [None] * len(tensors)
             for tensor, value, before in zip(tensors, values, then):
-                if before is None:
-                    tensor.copy_(value.view_as(tensor))
+                if before is None:  # from pinned host memory, in the stream's order: the host does not wait
+                    tensor.copy_(value.view_as(tensor), non_blocking=True)
                 else:
                     value = value.to(tensor.device, non_blocking=True).view_as(tensor)
                     if tensor.dtype == torch.float32:  # in place: the same float32 operations, without a copy
@@ -857,13 +857,14 @@ def anchor_home(device: torch.device) -> torch.device | None:
     return torch.device("cpu") if device.type == "cuda" else None
 
 
-def kept_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of `tensor` at its `anchor_home`: pinned host memory for a GPU's tensor, else beside it."""
+def kept_copy(tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """A float32 copy of `tensor` at its `anchor_home`: pinned host memory for a GPU's tensor, else beside it
+    (`non_blocking`: the caller waits for the device before the host reads it)."""
     home = anchor_home(tensor.device)
     if home is None:
         return tensor.detach().float().clone()
     kept = torch.empty(tensor.shape, dtype=torch.float32, device=home, pin_memory=True)
-    return kept.copy_(tensor.detach())
+    return kept.copy_(tensor.detach(), non_blocking=non_blocking)
 
 
 @contextlib.contextmanager
@@ -871,7 +872,7 @@ def staged(anchors: list[torch.Tensor], outer: torch.optim.Optimizer | None, dev
     """Inside, `anchors` (and `outer`'s momentum) are on `device`, where the outer step runs; after, back at home.
 
     Anchors already on `device` are left as they are. Else each is swapped for a device copy (`.data`, so `outer` keeps
-    its parameters) and copied back; the copy back waits for the step, once per sync.
+    its parameters) and copied back, the host waiting for the device once for all of them (not once per tensor).
     """
     if not anchors or anchors[0].device == device:
         yield
@@ -889,13 +890,18 @@ def staged(anchors: list[torch.Tensor], outer: torch.optim.Optimizer | None, dev
         yield
     finally:
         for anchor, home in zip(anchors, homes):
-            home.copy_(anchor.data)
+            home.copy_(anchor.data, non_blocking=True)  # pinned: queued on the stream; waited for below
             anchor.data = home
             buffer = state.get(anchor, {}).get("momentum_buffer")
             if buffer is not None and buffer.device != home.device:
                 home_buffer = kept.get(id(anchor))  # None: made by this, the first, outer step; it gets a home
-                home_buffer = kept_copy(buffer) if home_buffer is None else home_buffer.copy_(buffer)
+                if home_buffer is None:
+                    home_buffer = kept_copy(buffer, non_blocking=True)
+                else:
+                    home_buffer.copy_(buffer, non_blocking=True)
                 state[anchor]["momentum_buffer"] = home_buffer
+        if device.type == "cuda":  # the homes are read on the host (checkpoints, a joiner's state): written by now
+            torch.cuda.current_stream(device).synchronize()
 
 
 def split_fragments(params: list[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
