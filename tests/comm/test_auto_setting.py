@@ -155,8 +155,10 @@ dist.destroy_process_group()
         # chosen; over the whole group, and over the members present.
         ({"sync_fragments": 2}, {}, 100_000),
         ({"on_lost_replica": "continue"}, {}, 100_000),
+        # 4 fragments in H = 4 leave no room for 2 steps of overlap before the next round: the first sync waits.
+        ({"sync_fragments": 4, "sync_overlap": 2}, {}, 100_000),
     ],
-    ids=["defaults", "fragments", "codec", "probe", "probe-members"],
+    ids=["defaults", "fragments", "codec", "probe", "probe-members", "probe-waits"],
 )
 def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, options, env, probe):
     script = tmp_path / "auto.py"
@@ -171,9 +173,9 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     assert first["setting"] == second["setting"] and first["syncs"] == second["syncs"] >= 3
     assert first["params"] == second["params"]  # sync() averaged them: the same bits
     interval, fragments, overlap, _ = first["setting"]
-    assert overlap == 1 and 1 <= fragments <= 4 and fragments <= interval <= H_CAP
+    assert overlap == options.get("sync_overlap", 1) and 1 <= fragments <= 4 and fragments <= interval <= H_CAP
     if "sync_fragments" in options:
-        assert fragments == 2
+        assert fragments == options["sync_fragments"]
     assert first["resumed"][1:] == first["setting"][1:]  # the checkpoint's fragments, overlap and codec
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
     measured = "full-precision probe of 0.381 MiB" if probe else "full-precision sync"  # the measuring round's
@@ -181,11 +183,13 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     assert len(first_choice) == 1, said  # once, from rank 0
     assert len(said) == len(set(said)), said  # each change said once
     if "sync_fragments" in options:
-        assert "2 fragments (set)" in first_choice[0]
+        assert f"{fragments} fragments (set)" in first_choice[0]
     syncs, sent, applied, sent_by_then = first["first_round"]
-    if probe:  # the probe's bytes (and its small first exchange's); then the round's change in the setting chosen
-        assert sent == 4 * (probe + 4096) and syncs == 0, first["first_round"]
-        assert applied == fragments, first["first_round"]  # every fragment's, applied a step later
+    probed = 4 * (probe + 4096)  # the probe's bytes and its small first exchange's
+    if probe and overlap > interval // fragments:  # the round's change in the setting chosen, waited for
+        assert syncs == applied == fragments and 263_168 / 2 <= sent - probed <= 4 * 263_168, first["first_round"]
+    elif probe:  # ... applied a step later, every fragment's
+        assert sent == probed and syncs == 0 and applied == fragments, first["first_round"]
         assert 263_168 / 2 <= sent_by_then - sent <= 4 * 263_168, first["first_round"]  # fp4's size to float32's
     else:
         assert syncs == applied == (2 if "sync_fragments" in options else 1), first["first_round"]
