@@ -555,6 +555,8 @@ class OuterSync:
 
         A regular sync with sync_overlap is applied `overlap` steps later; any other (or with `wait`) finishes here.
         """
+        if fragment.pending is not None:  # the schedules keep each sync apart; should one not, it is applied, not lost
+            self._finish(fragment, outer=True)
         world = dist.get_world_size(self.group)
         node = self.scope == "node" and self._hierarchy is not None
         replicas = self._hierarchy.topology.num_nodes if node else world
