@@ -203,9 +203,11 @@ def render(summary: dict[str, dict], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
+    # The last step's loss is on that step's synthetic batch: a sign that the arm trained, not its quality.
+    caption = "last step's loss: the training loss on that step's synthetic batch; bench quality measures quality"
+    table = Table(title=title, caption=caption)
     columns = ["arm", "examples/s per worker", "min - max", "vs baseline", "of local", "bytes sent/step"]
-    columns += ["peak memory", "model's memory", "final loss"]
+    columns += ["peak memory", "model's memory", "last step's loss"]
     base_memory = summary.get("baseline", {}).get("model_memory_bytes")
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right", no_wrap=column == "arm")
