@@ -127,8 +127,9 @@ FINISH_WAIT_S = 30.0
 
 
 def finish_queued_jobs() -> bool:
-    """Before a group is destroyed or the process ends: the jobs queued so far (collectives every rank started, such as
-    a sync of a model already dropped) run to their end, at most FINISH_WAIT_S; whether they did.
+    """Before a group is destroyed (and, through the exit hook, before the process ends): the jobs queued so far
+    (collectives every rank started, such as a sync of a model already dropped) run to their end, at most
+    FINISH_WAIT_S; whether they did.
 
     Not while an error is ending the process: its peers may never finish them. A job that ends once the interpreter
     finalizes aborts the process ("terminate called without an active exception"): the c10d work its frame holds
