@@ -89,8 +89,8 @@ class _Auto:
         "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
         "fp16_scale": "Config's fp16_scale, for the codec in use",
         "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
-        "elements": "the parameter elements a replica syncs (over auto_setting.PROBE_ELEMENTS: the first round syncs "
-        "none of them and times an exchange of that many zeros at its end instead, `probe`)",
+        "elements": "the parameter elements a replica syncs (over auto_setting.PROBE_ELEMENTS, `probe`: the first "
+        "round times an exchange of that many zeros at its end, then syncs in the setting chosen)",
         "setting": "the auto_setting.Setting in use (None while measuring)",
         "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
@@ -107,7 +107,7 @@ class _Auto:
 
     @property
     def probe(self) -> bool:
-        """Whether the first round times a probe rather than syncing the model."""
+        """Whether the first round times a probe, then syncs in the setting chosen, rather than timing its sync."""
         return self.elements > auto_setting.PROBE_ELEMENTS
 
     def timed(self, exchange: Callable[..., Any]) -> Callable[..., Any]:

@@ -105,7 +105,7 @@ def _complete(job: Callable[[], torch.Tensor], fut: torch.futures.Future) -> Non
 
 
 _thread: CommThread | None = None
-_finishes_at_exit = False  # finish_queued_jobs registered with atexit
+_finishes_at_exit = False  # _end_at_exit registered with atexit
 
 
 def comm_thread() -> CommThread:
@@ -114,9 +114,8 @@ def comm_thread() -> CommThread:
     if _thread is None:
         _thread = CommThread()
         context.on_undo("communication thread", stop_comm_thread)
-        if (
-            not _finishes_at_exit
-        ):  # registered after the heartbeat's exit hook, it runs first: peers see this rank alive
+        # Registered after the heartbeat's exit hook, it runs first: peers see this rank alive meanwhile.
+        if not _finishes_at_exit:
             atexit.register(_end_at_exit)
             _finishes_at_exit = True
     return _thread
