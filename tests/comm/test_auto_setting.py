@@ -7,7 +7,19 @@ import pytest
 
 from conftest import run, trainaccel_cmd
 from trainaccel.comm import auto_setting
-from trainaccel.comm.auto_setting import H_CAP, PICKED, Measured, choose, left_to_auto, received_bytes, rechoose
+from trainaccel.comm.auto_setting import (
+    H_CAP,
+    PICKED,
+    PROBE_ELEMENTS,
+    PROBE_SHARE,
+    PROBE_WARMUP,
+    Measured,
+    choose,
+    left_to_auto,
+    probe_size,
+    received_bytes,
+    rechoose,
+)
 from trainaccel.config import Config
 
 ALL = frozenset(PICKED)
@@ -100,6 +112,22 @@ def test_a_probe_is_scaled_to_the_model_it_stands_for():
     assert "a full-precision sync 0.800 s at 9 MB/s: fp4 makes it 0.10" in whole.line()
 
 
+@pytest.mark.parametrize(
+    "elements, probe",
+    [
+        (263_168, 0),  # a small model: its whole-model sync measures
+        (1_841_280, 0),  # the text task's model
+        (PROBE_ELEMENTS, 0),
+        (PROBE_ELEMENTS + 8, PROBE_ELEMENTS // PROBE_SHARE + 1),  # an eighth of the model
+        (25_557_032, 3_194_629),  # ResNet-50: 12.2 MiB instead of 32 MiB
+        (10**9, PROBE_ELEMENTS),  # the largest probe
+    ],
+)
+def test_a_probe_is_an_eighth_of_a_large_model_and_at_most_probe_elements(elements, probe):
+    assert probe_size(elements) == probe
+    assert probe == 0 or PROBE_WARMUP < probe <= elements / PROBE_SHARE
+
+
 SCRIPT = """
 import json, sys, time
 
@@ -164,6 +192,7 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     script = tmp_path / "auto.py"
     script.write_text(textwrap.dedent(SCRIPT))
     size = probe or auto_setting.PROBE_ELEMENTS
+    probe = min(probe, 263_168 // auto_setting.PROBE_SHARE)  # the probe's elements: an eighth of the model
     proc = run(
         [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, script, tmp_path, json.dumps(options), size],
         env={"TRAINACCEL_LOG_LEVEL": "info", **env},
@@ -178,14 +207,14 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
         assert fragments == options["sync_fragments"]
     assert first["resumed"][1:] == first["setting"][1:]  # the checkpoint's fragments, overlap and codec
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
-    measured = "full-precision probe of 0.381 MiB" if probe else "full-precision sync"  # the measuring round's
+    measured = "full-precision probe of 0.125 MiB" if probe else "full-precision sync"  # the measuring round's
     first_choice = [line for line in said if measured in line]
     assert len(first_choice) == 1, said  # once, from rank 0
     assert len(said) == len(set(said)), said  # each change said once
     if "sync_fragments" in options:
         assert f"{fragments} fragments (set)" in first_choice[0]
     syncs, sent, applied, sent_by_then = first["first_round"]
-    probed = 4 * (probe + 4096)  # the probe's bytes and its small first exchange's
+    probed = 4 * (probe + min(probe, auto_setting.PROBE_WARMUP))  # the probe's bytes and its untimed first exchange's
     if probe and overlap > interval // fragments:  # the round's change in the setting chosen, waited for
         assert syncs == applied == fragments and 263_168 / 2 <= sent - probed <= 4 * 263_168, first["first_round"]
     elif probe:  # ... applied a step later, every fragment's

@@ -1,7 +1,7 @@
 """`sync_every=auto`'s policy: the interval, fragments, overlap and outer codec from a measured step and sync.
 
 The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a full-precision
-exchange (`MEASURING_CODEC`); a model over `PROBE_ELEMENTS` times a probe of that size instead, then syncs the round's
+exchange (`MEASURING_CODEC`); a model over `PROBE_ELEMENTS` times a probe instead (`probe_size`), then syncs the round's
 change in the setting chosen.
 From the slowest rank's step time and the least any rank waited for that exchange (the others also waited for the
 slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on
@@ -28,11 +28,18 @@ FIRST = 4  # the measuring round's inner steps
 # The measuring round's codec. bf16 would halve its wait (2-3% of a 300-step run at 100 Mbit/s) but measured the link
 # at 33-40 MB/s where full precision measured 56 (500 Mbit/s, 3 nodes): its fixed costs weigh more on half the bytes.
 MEASURING_CODEC = "none"
-# A model larger than this (float32 elements) is not synced in full precision to measure the link: its first round ends
-# with a timed full-precision exchange of this many zeros (32 MiB, 2.7 s at 100 Mbit/s between 2 replicas), scaled to
-# the model by `choose()`, then syncs the round in the setting chosen. A 1B-parameter model's whole-model sync in full
-# precision would wait for 4 GB, 5 minutes at 100 Mbit/s.
+# A model larger than this (float32 elements) is not synced in full precision to measure the link: its first round
+# ends with a timed full-precision exchange of zeros (`probe_size`: an eighth of the model, at most this many, 32 MiB
+# or 2.7 s at 100 Mbit/s between 2 replicas), scaled to the model by `choose()`, then syncs the round in the setting
+# chosen. A 1B-parameter model's whole-model sync in full precision would wait for 4 GB, 5 minutes at 100 Mbit/s.
+# Smaller models measure by their sync: on the text task (1.8M) a 2 MiB probe chose bf16 over int8 more often at
+# 500 Mbit/s and ended worse (docs/BENCHMARKS.md, "A smaller probe").
 PROBE_ELEMENTS = 8 * 2**20
+PROBE_SHARE = 8
+# Before the timed probe, an untimed exchange of this many of its zeros: it connects the peers (NCCL does on first use),
+# lines them up, and spends a link's burst allowance (the emulated links' 256 KB token bucket measured 66 MB/s on a
+# 500 Mbit/s link without it), so the probe sees the sustained rate.
+PROBE_WARMUP = 2**16
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H
 SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap
@@ -82,6 +89,12 @@ def left_to_auto(config: Any) -> frozenset[str]:
     """The options of `PICKED` that `config` leaves at their defaults: auto picks those (a value equal to the default
     counts as left: to fix one of them, give sync_every an integer)."""
     return frozenset(option for option, default in PICKED.items() if getattr(config, option) == default)
+
+
+def probe_size(elements: int) -> int:
+    """The elements of the probe that measures a model of `elements`: an eighth of a model over PROBE_ELEMENTS, at most
+    that many; 0 for a smaller model, which its whole-model sync measures."""
+    return min(PROBE_ELEMENTS, elements // PROBE_SHARE) if elements > PROBE_ELEMENTS else 0
 
 
 def received_bytes(codec: str, elements: int, replicas: int) -> float:

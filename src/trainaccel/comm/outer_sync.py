@@ -89,7 +89,7 @@ class _Auto:
         "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
         "fp16_scale": "Config's fp16_scale, for the codec in use",
         "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
-        "elements": "the parameter elements a replica syncs (over auto_setting.PROBE_ELEMENTS, `probe`: the first "
+        "elements": "the parameter elements a replica syncs (where auto_setting.probe_size gives a probe, the first "
         "round times an exchange of that many zeros at its end, then syncs in the setting chosen)",
         "setting": "the auto_setting.Setting in use (None while measuring)",
         "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
@@ -106,9 +106,10 @@ class _Auto:
         self.skip = False
 
     @property
-    def probe(self) -> bool:
-        """Whether the first round times a probe, then syncs in the setting chosen, rather than timing its sync."""
-        return self.elements > auto_setting.PROBE_ELEMENTS
+    def probe(self) -> int:
+        """The elements of the probe the first round times before syncing in the setting chosen (0: it times its
+        sync)."""
+        return auto_setting.probe_size(self.elements)
 
     def timed(self, exchange: Callable[..., Any]) -> Callable[..., Any]:
         """`exchange`, its seconds noted in `exchanged` when it succeeds."""
@@ -437,7 +438,7 @@ class OuterSync:
             replicas = len(self.members)
             if self.scope == "node" and self._hierarchy is not None:
                 replicas = self._hierarchy.topology.num_nodes
-            probed = auto_setting.PROBE_ELEMENTS if auto.probe else 0
+            probed = auto.probe
             figures = auto_setting.Measured(step_s, -least, self._codec.name, auto.elements, replicas, probed)
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
@@ -458,10 +459,11 @@ class OuterSync:
             auto.say(setting)
 
     def _probe(self) -> None:
-        """auto's measuring round for a model over PROBE_ELEMENTS: a sync's exchange of that many zeros, by the path
-        the syncs take and timed as theirs are, in place of the whole model's (choose() scales it to the model)."""
-        change = torch.zeros(auto_setting.PROBE_ELEMENTS, device=self.params[0].device)
-        for tensor, timed in ((change[:4096], False), (change, True)):  # a small one first: NCCL connects on first use
+        """auto's measuring round for a model with a probe (auto_setting.probe_size): a sync's exchange of that many
+        zeros, by the path the syncs take and timed as theirs are, in place of the whole model's (choose() scales it to
+        the model), after an untimed one of PROBE_WARMUP of them (it connects, lines the peers up, spends any burst)."""
+        change = torch.zeros(self._auto.probe, device=self.params[0].device)
+        for tensor, timed in ((change[: auto_setting.PROBE_WARMUP], False), (change, True)):
             exchange = self._exchange("probe", tensor, None, f"probe@{self.steps}{'' if timed else '-first'}", timed)
             self.bytes_sent += comm_thread().submit(exchange, change.device).wait()[2]
 
