@@ -38,10 +38,14 @@ OPTIONS = {
     "sync_every_continue": {"sync_every": 4, "sync_scope": "rank", "on_lost_replica": "continue"},
     # auto's measuring round (4 steps), then its own setting: H at most 4, fragments, overlap and the outer codec.
     "sync_every_auto": {"sync_every": "auto", "sync_scope": "rank"},
+    # What the default sync_scope takes for a DDP model on nodes of several workers: a replica per node, auto's
+    # measuring round and syncs through the node hierarchy.
+    "sync_every_auto_node": {"sync_every": "auto", "sync_scope": "node"},
     "amp_bf16": {"amp": "bf16"},
     "shard_full": {"shard": "full"},
 }
 LAUNCHES = ("run", "init")
+NODE_SCOPE = {option for option, given in OPTIONS.items() if given.get("sync_scope") == "node"}  # 2 nodes x 2
 # The CI subset: every client once and every option once (Lightning with a validation loop under fp16: the hook on
 # a model the framework leaves in eval mode), and the one-line form once; the whole matrix is frameworks_full.
 CI = {
@@ -89,7 +93,7 @@ def launch(client: str, option: str, how: str, out) -> tuple[int, str]:
     """Start the client on 2 workers (2 emulated nodes x 2 under sync_scope=node); its return code and output."""
     script, options = SCRIPTS / "frameworks" / CLIENTS[client][0], OPTIONS[option]
     one_line = ["--init", ",".join(f"{k}={v}" for k, v in options.items())] if how == "init" else []
-    if option == "sync_every_node":
+    if option in NODE_SCOPE:
         launcher = [*trainaccel_cmd(), "run", *flags(options)] if how == "run" else torchrun_cmd()
         procs = run_nodes(script, out, *one_line, launcher=launcher, timeout=300)
         return max(p.returncode for p in procs), "".join(p.stdout for p in procs)
@@ -147,7 +151,7 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             for r in ranks:
                 assert low * dense < r["bytes_per_step"] < high * dense, (r["bytes_per_step"], dense)
         assert_replicas_equal(ranks)
-    elif option == "sync_every_auto":  # its H, fragments and codec follow the times it measures
+    elif option.startswith("sync_every_auto"):  # its H, fragments and codec follow the times it measures
         for r in ranks:
             # The measuring round's sync at step 4, then at least one more applied by step 12 (H at most 4; the
             # last one may still be in flight under its one step of overlap).
@@ -155,6 +159,9 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             assert 0 < r["bytes_per_step"] < dense, (r["bytes_per_step"], dense)  # fewer than plain DDP's
         if ranks[0]["ddp"]:
             assert_observed_every_step(ranks)
+        if option in NODE_SCOPE and ranks[0]["ddp"]:  # a replica per node: DDP keeps a node's workers equal
+            live = [r["live_mid"] for r in ranks]
+            assert live[0] == live[1] and live[2] == live[3], live
         assert len({r["synced_end"] for r in ranks}) == 1, "the synced model differs across ranks"
     elif option.startswith("sync_every"):
         for r in ranks:
@@ -187,7 +194,7 @@ def test_cell(client, option, how, tmp_path):
         line = refusal(output, client, option)
         assert line is not None, output[-6000:]
         return
-    world = 4 if option == "sync_every_node" else 2
+    world = 4 if option in NODE_SCOPE else 2
     ranks = read_ranks(out, world)
     assert_trained_right(ranks)
     assert_applied(option, ranks)
@@ -197,5 +204,5 @@ def test_the_ci_subset_covers_every_client_and_option():
     assert {client for client, _, _ in CI} == set(CLIENTS)
     # Outside CI's subset: node scope (4 workers), the lost-replica mode (tests/resilience runs its losses), and
     # fp16's peak scale (CI runs its code path under every DDP setting: the engine matrix's fp16-peak column).
-    outside = {"sync_every_node", "sync_every_continue", "fp16_peak"}
+    outside = {"sync_every_node", "sync_every_auto_node", "sync_every_continue", "fp16_peak"}
     assert {option for _, option, _ in CI} | outside == set(OPTIONS)
