@@ -35,10 +35,10 @@ MEASURING_CODEC = "none"
 # Smaller models measure by their sync: on the text task (1.8M) a 2 MiB probe chose bf16 over int8 more often at
 # 500 Mbit/s and ended worse (docs/BENCHMARKS.md, "A smaller probe").
 PROBE_ELEMENTS = 8 * 2**20
-PROBE_SHARE = 8
+PROBE_SHARE = 8  # the probe is this fraction of the model: ResNet-50's 12.2 MiB waits 1.1 s at 100 Mbit/s, not 2.8
 # Before the timed probe, an untimed exchange of this many of its zeros: it connects the peers (NCCL does on first use),
-# lines them up, and spends a link's burst allowance (the emulated links' 256 KB token bucket measured 66 MB/s on a
-# 500 Mbit/s link without it), so the probe sees the sustained rate.
+# lines them up, and spends a link's burst allowance (after 16 KiB, the emulated links' 256 KB token bucket made a 2 MiB
+# probe measure 66 MB/s on a 500 Mbit/s link), so the probe sees the sustained rate.
 PROBE_WARMUP = 2**16
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H
