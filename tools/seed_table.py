@@ -1,0 +1,91 @@
+"""Per-seed figures of a `trainaccel bench quality --json` run: each arm's share of the ceiling and its validation loss
+against plain DDP's, seed by seed, with their medians.
+
+    python tools/seed_table.py RUN.json [--baseline BASELINE.json]
+
+The share pairs each repeat's `local` arm (the ceiling) with the arm's repeat of the same seed; the loss pairs the
+arm's final validation loss with the `baseline` arm's (plain DDP) of the same seed, from RUN or, where RUN left plain
+DDP out for time, from BASELINE: its losses are deterministic per seed, so a run of the same task, steps, batch and
+validations gives them. Repeat i is seed i in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+SAME = ("task", "steps", "batch_size", "eval_every")  # the settings a baseline's losses depend on
+CEILING, BASELINE = "local", "baseline"
+
+
+def final_losses(arm: dict) -> list[float]:
+    """Each repeat's validation loss at its last step (its curve's last point: step, seconds, loss, accuracy)."""
+    return [curve[-1][2] for curve in arm["curves"]]
+
+
+def rows(run: dict, baseline: dict | None = None) -> list[dict]:
+    """One row per arm of `run` other than the ceiling and plain DDP: its per-seed share and loss ratio, and medians."""
+    arms = run["arms"]
+    base = arms.get(BASELINE)
+    if base is None and baseline is not None:
+        for key in SAME:
+            if baseline["settings"].get(key) != run["settings"].get(key):
+                raise ValueError(
+                    f"the baseline's {key}={baseline['settings'].get(key)!r} differs from the run's "
+                    f"{run['settings'].get(key)!r}; accepted: a run of the same {', '.join(SAME)}"
+                )
+        base = baseline["arms"].get(BASELINE)
+        if base is None:
+            raise ValueError(f"the baseline run has no {BASELINE!r} arm; its arms: {', '.join(baseline['arms'])}")
+    found = []
+    for name, arm in arms.items():
+        if name in (CEILING, BASELINE):
+            continue
+        row: dict = {"arm": name}
+        if CEILING in arms:
+            row["share"] = [c / s for c, s in zip(arms[CEILING]["seconds"], arm["seconds"], strict=True)]
+        if base is not None:
+            mine, theirs = final_losses(arm), final_losses(base)
+            if len(theirs) < len(mine):
+                raise ValueError(
+                    f"the baseline has {len(theirs)} seeds, the run {len(mine)}; accepted: at least as many"
+                )
+            row["loss"] = [m / t - 1 for m, t in zip(mine, theirs)]
+        found.append(row)
+    return found
+
+
+def table(found: list[dict]) -> str:
+    """The rows as Markdown lines: per-seed percentages, then the median in bold."""
+    lines = []
+    for row in found:
+        for key, label, sign in (("share", "of the ceiling", ""), ("loss", "loss vs plain DDP", "+")):
+            if key in row:
+                seeds = " | ".join(f"{x:{sign}.1%}" for x in row[key])
+                lines.append(f"| {row['arm']}: {label} | {seeds} | **{statistics.median(row[key]):{sign}.1%}** |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", help="a bench quality --json file")
+    parser.add_argument("--baseline", help="a run of the same task with a baseline arm, where RUN has none")
+    args = parser.parse_args(argv)
+    with open(args.run) as f:
+        run = json.load(f)
+    baseline = None
+    if args.baseline:
+        with open(args.baseline) as f:
+            baseline = json.load(f)
+    try:
+        print(table(rows(run, baseline)))
+    except ValueError as error:
+        print(f"seed_table: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
