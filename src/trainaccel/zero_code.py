@@ -38,23 +38,25 @@ def patch_ddp(config: Config) -> None:
     @functools.wraps(original)
     def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         config = context.current_config()
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
         if config is not None and config.bucket_mb is not None:
-            bound = signature.bind_partial(self, *args, **kwargs).arguments
             if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
                 kwargs["bucket_cap_mb"] = config.bucket_mb
         original(self, *args, **kwargs)
         if config is not None:
-            accelerate(self, config)
+            accelerate(self, config, broadcast=bound.get("init_sync", True))
 
     context.patch(DistributedDataParallel, "__init__", __init__)
 
 
-def accelerate(ddp_model: DistributedDataParallel, config: Config) -> StepObserver:
-    """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step."""
+def accelerate(ddp_model: DistributedDataParallel, config: Config, broadcast: bool = False) -> StepObserver:
+    """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step.
+    `broadcast`: DDP broadcast rank 0's parameters as it built the model (its `init_sync`)."""
     observer = observe(ddp_model, compiled=config.compile == "on")
     _note_pretrained(ddp_model)
     if config.sync_every:
-        diloco.attach(ddp_model, config)  # no gradient exchange: the hook registered at the first step is not needed
+        # No gradient exchange: the hook registered at the first step is not needed.
+        diloco.attach(ddp_model, config, broadcast)
     checkpoint.attach(observer)  # before the hook exists: a checkpoint loaded now waits for it
     if config.amp != "off":
         enable_amp(observer, config)

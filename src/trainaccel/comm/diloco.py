@@ -555,9 +555,10 @@ def members(model: torch.nn.Module) -> list[int]:
     return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
 
 
-def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
+def attach(model: DistributedDataParallel, config: Config, broadcast: bool = False) -> DiLoCo:
     """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo; a module wrapped
-    again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper."""
+    again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper. `broadcast`: DDP
+    has just broadcast rank 0's parameters over its group (its `init_sync`), so the first inner step need not."""
     diloco = next((d for d in _live.values() if d._module is model.module), None)
     trainable = [p for p in dict.fromkeys(model.module.parameters()) if p.requires_grad]
     if diloco is not None and [id(p) for p in trainable] != [id(p) for p in diloco.outer.params]:
@@ -574,6 +575,12 @@ def attach(model: DistributedDataParallel, config: Config) -> DiLoCo:
         diloco._rewrap(model, config.hierarchical)
     else:
         diloco = DiLoCo(model, config=config)
+    if broadcast and not diloco.outer.started:
+        # DDP's broadcast skips the parameters it ignores; a shard is not what it broadcast.
+        skipped = getattr(model, "parameters_to_ignore", ())
+        ignored = {id(p) for name, p in model.module.named_parameters() if name in skipped}
+        ignored |= {id(p) for p in diloco.outer.params if hasattr(p, "to_local")}
+        diloco.outer.note_equal(p for p in diloco.outer.params if id(p) not in ignored)
     observer = observer_of(model)
     if observer is not None:
         observer.diloco = diloco

@@ -165,6 +165,8 @@ class OuterSync:
         "joined_inner": "a replica that rejoined: the inner optimizers' state a live member sent ({index in `params`: "
         "state}), each entry until an optimizer of this replica takes it",
         "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
+        "_equal_at": "parameters known equal on every rank (DDP's broadcast as it wrapped them): id -> (version, data "
+        "pointer) then; `_start` broadcasts them only if one changed since on some rank (None: always)",
     }
 
     def __init__(
@@ -224,6 +226,7 @@ class OuterSync:
             self._codec, self._feedback = get_codec(auto_setting.MEASURING_CODEC), None
         self._engine_group = engine_group(self.group)
         self.live_is_synced, self._synced_buffers = False, []
+        self._equal_at: dict[int, tuple[int, int]] | None = None
         self._hierarchy: HierarchicalReduce | None = None
         self._hang_timeout = config.hang_timeout
         self._membership: Membership | None = None
@@ -527,17 +530,44 @@ class OuterSync:
         """The outer codec as set: auto's measuring round syncs in full precision, but the setting is unchanged."""
         return self._auto.given_codec if self._auto is not None and self._auto.measuring else self._codec.name
 
+    def note_equal(self, tensors: Iterable[torch.Tensor]) -> None:
+        """`tensors` hold the same bits on every rank of the group now (DDP's broadcast as it wrapped them): the first
+        inner step broadcasts the parameters again only if one of them has changed in place or been replaced since."""
+        self._equal_at = {id(t): (t._version, t.data_ptr()) for t in tensors}
+
+    def _still_equal(self) -> bool:
+        """Whether every rank's parameters are still as `note_equal` saw them (a collective of one value)."""
+        equal_at, self._equal_at = self._equal_at, None
+        if equal_at is None:
+            return False
+        # A parameter changed in place (an optimizer step, load_state_dict, nn.init) has a new version; one replaced
+        # (`param.data = ...`), a new pointer. A rank whose own are unchanged cannot know the others' are: all agree.
+        mine = all(equal_at.get(id(p)) == (p._version, p.data_ptr()) for p in self.params)
+        agreed = torch.tensor([int(mine)], device=group_device(self.group))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(agreed.item())
+
     def _start(self) -> None:
-        """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run)."""
-        tensors = [*(p for fragment in self._fragments for p in fragment.params), *self._fragments[-1].buffers]
+        """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run).
+
+        Parameters still as DDP's broadcast left them on every rank (`note_equal`) are not sent again: on a slow link
+        a whole model's broadcast is as long as a sync in full precision. Buffers are (a first forward changed them).
+        """
+        params = [p for fragment in self._fragments for p in fragment.params]
+        tensors = [*([] if self._still_equal() else params), *self._fragments[-1].buffers]
+        if tensors:
+            self._broadcast_from_first(tensors)
+        self._make_anchors()
+        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
+        self.live_is_synced = True
+
+    def _broadcast_from_first(self, tensors: list[torch.Tensor]) -> None:
+        """The group's first rank's values of `tensors` on every rank (one broadcast, in float32)."""
         with torch.no_grad():
             flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
             dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
             for tensor, value in zip(tensors, flat.split(sizes(tensors))):
                 tensor.copy_(value.view_as(tensor))
-        self._make_anchors()
-        self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
-        self.live_is_synced = True
 
     def _make_anchors(self) -> None:
         for fragment in self._fragments:
