@@ -131,6 +131,12 @@ def assert_observed_every_step(ranks: list[dict]) -> None:
         assert r["observer_steps"] == r["steps"], f"training forwards counted {r['observer_steps']}, steps {r['steps']}"
 
 
+def assert_model_not_sent_again(ranks: list[dict]) -> None:
+    """sync_every on a DDP model: its first step took the model DDP broadcast as it wrapped it, sending it no more."""
+    for r in ranks:
+        assert r["largest_broadcast"] < r["elements"], (r["largest_broadcast"], r["elements"])
+
+
 def assert_applied(option: str, ranks: list[dict]) -> None:
     dense = ranks[0]["dense_bytes_per_step"]
     if option == "none":
@@ -159,6 +165,7 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             assert 0 < r["bytes_per_step"] < dense, (r["bytes_per_step"], dense)  # fewer than plain DDP's
         if ranks[0]["ddp"]:
             assert_observed_every_step(ranks)
+            assert_model_not_sent_again(ranks)
         if option in NODE_SCOPE and ranks[0]["ddp"]:  # a replica per node: DDP keeps a node's workers equal
             live = [r["live_mid"] for r in ranks]
             assert live[0] == live[1] and live[2] == live[3], live
@@ -169,6 +176,7 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             assert r["bytes_per_step"] <= 0.3 * dense, (r["bytes_per_step"], dense)  # a sync every 4 steps
         if ranks[0]["ddp"]:
             assert_observed_every_step(ranks)
+            assert_model_not_sent_again(ranks)
         live = [r["live_mid"] for r in ranks]
         if option == "sync_every_node":  # a replica per node: equal within one, different across
             assert live[0] == live[1] and live[2] == live[3] and live[0] != live[2], live

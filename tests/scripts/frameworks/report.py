@@ -66,6 +66,16 @@ class Recorder:
         self.data["rank"] = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
         self.data["world"] = int(os.environ.get("WORLD_SIZE", "1"))
         last_linear(module).register_forward_hook(self._forward)
+        # The most elements one torch.distributed.broadcast carried from here on (the framework's, trainaccel's): under
+        # sync_every a DDP model's first step does not send the model DDP has just broadcast as it wrapped it.
+        self.data["largest_broadcast"] = 0
+        broadcast = dist.broadcast
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.data["largest_broadcast"] = max(self.data["largest_broadcast"], tensor.numel())
+            return broadcast(tensor, *args, **kwargs)
+
+        dist.broadcast = counted
 
     def _forward(self, layer: torch.nn.Module, args: tuple, output: Any) -> None:
         # The output dtype in the first training forward tells whether autocast is on.
@@ -97,6 +107,7 @@ class Recorder:
         data["steps"] = steps
         dense = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         data["dense_bytes_per_step"] = dense
+        data["elements"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
         data["ddp"] = type(ddp).__name__ if ddp is not None else None
         data["params_end"] = digest(p for _, p in module.named_parameters())  # the live parameters: this replica
         sharded = any(isinstance(p, DTensor) for p in module.parameters())
