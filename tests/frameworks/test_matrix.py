@@ -132,7 +132,8 @@ def assert_observed_every_step(ranks: list[dict]) -> None:
 
 
 def assert_model_not_sent_again(ranks: list[dict]) -> None:
-    """sync_every on a DDP model: its first step took the model DDP broadcast as it wrapped it, sending it no more."""
+    """sync_every: the first step took the model DDP broadcast as it wrapped it (or hvd.broadcast_parameters did),
+    sending it no more."""
     for r in ranks:
         assert r["largest_broadcast"] < r["elements"], (r["largest_broadcast"], r["elements"])
 
@@ -176,7 +177,7 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             assert r["bytes_per_step"] <= 0.3 * dense, (r["bytes_per_step"], dense)  # a sync every 4 steps
         if ranks[0]["ddp"]:
             assert_observed_every_step(ranks)
-            assert_model_not_sent_again(ranks)
+        assert_model_not_sent_again(ranks)  # Horovod: broadcast_parameters, then no second broadcast
         live = [r["live_mid"] for r in ranks]
         if option == "sync_every_node":  # a replica per node: equal within one, different across
             assert live[0] == live[1] and live[2] == live[3] and live[0] != live[2], live

@@ -148,6 +148,7 @@ assert m.w.grad is None
 def test_sync_every_trains_diloco_with_no_gradient_exchange(tmp_path):
     ranks = run_checks("horovod_sync_every.py", tmp_path, 2)
     assert ranks[0]["grad"] != ranks[1]["grad"]
+    assert ranks[0]["after_sync"] == ranks[1]["after_sync"]  # started equal though rank 1 changed its copy
 
 
 # Rank 1 starts its backward late; rank 0's backward queues its buckets and returns at once.

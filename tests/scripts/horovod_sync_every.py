@@ -2,9 +2,11 @@
 steps, equal to DiLoCo computed by hand (every rank replays all replicas). Each rank writes OUT_DIR/rank{r}.json."""
 
 import copy
+import hashlib
 import sys
 
 import torch
+import torch.distributed as dist
 from checks import Checks
 from torch import nn
 
@@ -35,8 +37,20 @@ optimizer = hvd.DistributedOptimizer(
 )
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 start = copy.deepcopy(model)
+largest, broadcast = [0], dist.broadcast
+
+
+def counted(tensor, *args, **kwargs):
+    largest[0] = max(largest[0], tensor.numel())
+    return broadcast(tensor, *args, **kwargs)
+
+
+dist.broadcast = counted  # what the steps broadcast (trainaccel's first step calls torch.distributed.broadcast)
 for step in range(1, STEPS + 1):
     train(model, optimizer, rank, step)
+dist.broadcast = broadcast
+elements = sum(p.numel() for p in model.parameters())
+checks.check(f"the first step did not send the model again ({largest[0]} of {elements})", largest[0] < elements)
 grad = model[0].weight.grad.clone()
 optimizer.diloco.sync()  # the documented look: step 5 is not a sync
 checks.check("two outer steps", optimizer.diloco.syncs == 2 and optimizer.diloco.steps == STEPS)
@@ -57,6 +71,24 @@ expected = [p.detach() for p in replicas[0].parameters()]
 err = max(float((p - e).abs().max()) for p, e in zip(model.parameters(), expected))
 checks.check(f"equals DiLoCo by hand (max error {err:.2e})", err <= 1e-6)
 checks.info["grad"] = grad.sum().item()  # this rank's own gradient: nothing exchanged
+
+# Changed on one rank after broadcast_parameters: the first step sends rank 0's parameters, and the replicas start
+# (hence stay) equal at the syncs.
+other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+tuned = hvd.DistributedOptimizer(
+    torch.optim.Adam(other.parameters(), lr=0.01), named_parameters=other.named_parameters(), sync_every=H
+)
+hvd.broadcast_parameters(other.state_dict(), root_rank=0)
+if rank == 1:
+    with torch.no_grad():
+        other[0].weight.add_(1.0)
+largest[0], dist.broadcast = 0, counted
+for step in range(1, H + 1):  # one sync
+    train(other, tuned, rank, step)
+dist.broadcast = broadcast
+checks.check("a parameter changed after broadcast_parameters: the first step sends the model", largest[0] >= elements)
+synced = torch.cat([p.detach().reshape(-1) for p in other.parameters()])  # right after the sync: the synced model
+checks.info["after_sync"] = hashlib.sha256(synced.numpy().tobytes()).hexdigest()
 checks.raises(
     "compression with sync_every",
     lambda: hvd.DistributedOptimizer(

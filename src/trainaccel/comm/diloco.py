@@ -532,6 +532,22 @@ def _of(model: torch.nn.Module) -> DiLoCo | None:
     return None
 
 
+def note_broadcast(tensors: Iterable[torch.Tensor], group: Any = None) -> None:
+    """`tensors` were just broadcast over `group` (default: the job's; `hvd.broadcast_parameters`): a model under
+    sync_every whose parameters are all among them, at none of its inner steps yet, does not send them again."""
+    group = group or dist.group.WORLD
+    # By storage: a state_dict()'s values are other tensor objects over the parameters' memory.
+    held = {(t.data_ptr(), t.numel(), t.dtype) for t in tensors if torch.is_tensor(t)}
+    for diloco in list(_live.values()):
+        outer = diloco.outer
+        if (
+            diloco.group is group
+            and not outer.started
+            and all((p.data_ptr(), p.numel(), p.dtype) in held and not hasattr(p, "to_local") for p in outer.params)
+        ):
+            outer.note_equal(outer.params)
+
+
 def sync_replicas(model: torch.nn.Module) -> None:
     """Average a model's replicas now, on every rank, if it trains under sync_every (else nothing)."""
     diloco = _of(model)
@@ -575,8 +591,8 @@ def attach(model: DistributedDataParallel, config: Config, broadcast: bool = Fal
         diloco._rewrap(model, config.hierarchical)
     else:
         diloco = DiLoCo(model, config=config)
-    if broadcast and not diloco.outer.started:
-        # DDP's broadcast skips the parameters it ignores; a shard is not what it broadcast.
+    if broadcast and not diloco.outer.started and getattr(model, "process_group", None) is diloco.group:
+        # DDP's broadcast (over the syncs' group) skips the parameters it ignores; a shard is not what it broadcast.
         skipped = getattr(model, "parameters_to_ignore", ())
         ignored = {id(p) for name, p in model.module.named_parameters() if name in skipped}
         ignored |= {id(p) for p in diloco.outer.params if hasattr(p, "to_local")}

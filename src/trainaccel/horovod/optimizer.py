@@ -48,6 +48,10 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet | 
                 broadcast_(
                     tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank, str(name), process_set
                 )
+    from trainaccel.comm.diloco import note_broadcast  # (where DistributedOptimizer takes DiLoCo from)
+
+    # A DistributedOptimizer's sync_every over these parameters need not broadcast them again at its first step.
+    note_broadcast((tensor for _, tensor in items), process_set.group if process_set is not None else None)
 
 
 def broadcast_optimizer_state(
