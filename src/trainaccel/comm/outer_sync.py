@@ -165,8 +165,9 @@ class OuterSync:
         "joined_inner": "a replica that rejoined: the inner optimizers' state a live member sent ({index in `params`: "
         "state}), each entry until an optimizer of this replica takes it",
         "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
-        "_equal_at": "parameters known equal on every rank (DDP's broadcast as it wrapped them): id -> (version, data "
-        "pointer) then; `_start` broadcasts them only if one changed since on some rank (None: always)",
+        "_equal_at": "parameters known equal on every rank (just broadcast: by DDP as it wrapped them, or by "
+        "hvd.broadcast_parameters): id -> (version, data pointer) then; `_start` broadcasts them only if one changed "
+        "since on some rank (None: always)",
     }
 
     def __init__(
@@ -531,8 +532,8 @@ class OuterSync:
         return self._auto.given_codec if self._auto is not None and self._auto.measuring else self._codec.name
 
     def note_equal(self, tensors: Iterable[torch.Tensor]) -> None:
-        """`tensors` hold the same bits on every rank of the group now (DDP's broadcast as it wrapped them): the first
-        inner step broadcasts the parameters again only if one of them has changed in place or been replaced since."""
+        """`tensors` hold the same bits on every rank of the group now (just broadcast): the first inner step
+        broadcasts the parameters again only if one of them has changed in place or been replaced since."""
         self._equal_at = {id(t): (t._version, t.data_ptr()) for t in tensors}
 
     def _still_equal(self) -> bool:
@@ -550,8 +551,8 @@ class OuterSync:
     def _start(self) -> None:
         """Rank 0's parameters and buffers on every rank, and the anchors (the first inner step is about to run).
 
-        Parameters still as DDP's broadcast left them on every rank (`note_equal`) are not sent again: on a slow link
-        a whole model's broadcast is as long as a sync in full precision. Buffers are (a first forward changed them).
+        Parameters still as a broadcast left them on every rank (`note_equal`) are not sent again: on a slow link a
+        whole model's broadcast is as long as a sync in full precision. Buffers are (a first forward changed them).
         """
         params = [p for fragment in self._fragments for p in fragment.params]
         tensors = [*([] if self._still_equal() else params), *self._fragments[-1].buffers]
