@@ -38,7 +38,7 @@ def patch_ddp(config: Config) -> None:
     @functools.wraps(original)
     def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         config = context.current_config()
-        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        bound = signature.bind_partial(self, *args, **kwargs).arguments if config is not None else {}
         if config is not None and config.bucket_mb is not None:
             if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
                 kwargs["bucket_cap_mb"] = config.bucket_mb
