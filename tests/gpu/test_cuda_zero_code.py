@@ -72,10 +72,17 @@ ENGINE = {
 
 
 @pytest.mark.parametrize("options", ENGINE.values(), ids=ENGINE.keys())
-def test_the_engine_trains_a_gpu_model(one_worker_env, device, options):
+def test_the_engine_trains_a_gpu_model(one_worker_env, device, options, monkeypatch):
     trainaccel.init(**options)
     model = ddp_of(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    largest, broadcast = [0], torch.distributed.broadcast
+
+    def counted(tensor, *args, **kwargs):
+        largest[0] = max(largest[0], tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "broadcast", counted)
     losses = train(model, optimizer, batches(device, 12))
     assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
     model.eval()  # a look: sync_every's replicas synced
@@ -83,6 +90,8 @@ def test_the_engine_trains_a_gpu_model(one_worker_env, device, options):
     diloco = observer_of(model).diloco
     if "sync_every" in options:
         assert diloco is not None and diloco.syncs >= 12 // options["sync_every"] - 1
+        # The first step took the model DDP broadcast as it wrapped it (the ranks agreed over the device's group).
+        assert largest[0] < sum(p.numel() for p in model.parameters()), largest
         if options.get("outer_compression"):
             feedback = diloco.outer.feedback
             assert feedback is not None and feedback.residuals
