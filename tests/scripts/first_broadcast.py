@@ -19,6 +19,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from checks import broadcasts_counted
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,23 +44,13 @@ def train(case: str, rank: int) -> dict:
     if case == "replaced" and rank == 1:
         weight.data = weight.data + 1.0
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.01)
-    carried = []
-    broadcast = dist.broadcast
-
-    def counted(tensor, *args, **kwargs):
-        carried.append(tensor.numel())
-        return broadcast(tensor, *args, **kwargs)
-
-    dist.broadcast = counted  # trainaccel's first step calls dist.broadcast; DDP's wrap broadcast by another path
-    try:
+    with broadcasts_counted() as carried:
         for step in range(1, 7):
             g = torch.Generator().manual_seed(1000 * rank + step)
             x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
             optimizer.zero_grad()
             nn.functional.mse_loss(ddp(x), y).backward()
             optimizer.step()
-    finally:
-        dist.broadcast = broadcast
     return {
         "carried": carried,
         "elements": sum(p.numel() for p in model.parameters()),

@@ -6,8 +6,7 @@ import hashlib
 import sys
 
 import torch
-import torch.distributed as dist
-from checks import Checks
+from checks import Checks, broadcasts_counted
 from torch import nn
 
 import trainaccel.horovod as hvd
@@ -37,20 +36,11 @@ optimizer = hvd.DistributedOptimizer(
 )
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 start = copy.deepcopy(model)
-largest, broadcast = [0], dist.broadcast
-
-
-def counted(tensor, *args, **kwargs):
-    largest[0] = max(largest[0], tensor.numel())
-    return broadcast(tensor, *args, **kwargs)
-
-
-dist.broadcast = counted  # what the steps broadcast (trainaccel's first step calls torch.distributed.broadcast)
-for step in range(1, STEPS + 1):
-    train(model, optimizer, rank, step)
-dist.broadcast = broadcast
-elements = sum(p.numel() for p in model.parameters())
-checks.check(f"the first step did not send the model again ({largest[0]} of {elements})", largest[0] < elements)
+with broadcasts_counted() as carried:  # what the steps broadcast
+    for step in range(1, STEPS + 1):
+        train(model, optimizer, rank, step)
+elements, largest = sum(p.numel() for p in model.parameters()), max(carried, default=0)
+checks.check(f"the first step did not send the model again ({largest} of {elements})", largest < elements)
 grad = model[0].weight.grad.clone()
 optimizer.diloco.sync()  # the documented look: step 5 is not a sync
 checks.check("two outer steps", optimizer.diloco.syncs == 2 and optimizer.diloco.steps == STEPS)
@@ -82,11 +72,13 @@ hvd.broadcast_parameters(other.state_dict(), root_rank=0)
 if rank == 1:
     with torch.no_grad():
         other[0].weight.add_(1.0)
-largest[0], dist.broadcast = 0, counted
-for step in range(1, H + 1):  # one sync
-    train(other, tuned, rank, step)
-dist.broadcast = broadcast
-checks.check("a parameter changed after broadcast_parameters: the first step sends the model", largest[0] >= elements)
+with broadcasts_counted() as carried:
+    for step in range(1, H + 1):  # one sync
+        train(other, tuned, rank, step)
+checks.check(
+    "a parameter changed after broadcast_parameters: the first step sends the model",
+    max(carried, default=0) >= elements,
+)
 synced = torch.cat([p.detach().reshape(-1) for p in other.parameters()])  # right after the sync: the synced model
 checks.info["after_sync"] = hashlib.sha256(synced.numpy().tobytes()).hexdigest()
 checks.raises(
