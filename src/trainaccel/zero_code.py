@@ -6,14 +6,18 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.parallel.distributed as ddp_module
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
 from trainaccel.amp.ddp import enable_amp
 from trainaccel.comm import checkpoint, diloco
+from trainaccel.comm.auto_setting import Broadcast
 from trainaccel.comm.ddp import register
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.config import Config
@@ -34,6 +38,7 @@ def patch_ddp(config: Config) -> None:
     context.patch(torch.nn.Module, "load_state_dict", checkpoint.restoring_load_state_dict(original_load))
     original = DistributedDataParallel.__init__
     signature = inspect.signature(original)
+    broadcasts = _time_wrap_broadcasts()
 
     @functools.wraps(original)
     def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
@@ -42,16 +47,44 @@ def patch_ddp(config: Config) -> None:
         if config is not None and config.bucket_mb is not None:
             if bound.get("bucket_cap_mb") is None and not bound.get("bucket_cap_mb_list"):
                 kwargs["bucket_cap_mb"] = config.bucket_mb
+        broadcasts.clear()
         original(self, *args, **kwargs)
         if config is not None:
-            accelerate(self, config, broadcast=bound.get("init_sync", True))
+            # What DDP broadcast as it built the model: nothing under init_sync=False, or where it returned early.
+            accelerate(self, config, broadcast=broadcasts.pop(id(self.module), None))
+        broadcasts.clear()
 
     context.patch(DistributedDataParallel, "__init__", __init__)
 
 
-def accelerate(ddp_model: DistributedDataParallel, config: Config, broadcast: bool = False) -> StepObserver:
+def _time_wrap_broadcasts() -> dict[int, Broadcast]:
+    """Time the broadcast of rank 0's model DDP makes as it wraps one (`_sync_module_states`); returns where each
+    lands: id(module) -> `Broadcast`. sync_every=auto measures the link by it instead of a sync of its own."""
+    timed: dict[int, Broadcast] = {}
+    original = ddp_module._sync_module_states
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _sync_module_states(*args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        original(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        module, ignored = arguments["module"], arguments["params_and_buffers_to_ignore"]
+        states = [*module.named_parameters(), *(module.named_buffers() if arguments["broadcast_buffers"] else ())]
+        nbytes = sum(t.numel() * t.element_size() for name, t in states if name not in ignored)
+        sent = dist.get_rank(arguments["process_group"]) == arguments["src"]
+        timed[id(module)] = Broadcast(seconds, nbytes, sent)
+
+    context.patch(ddp_module, "_sync_module_states", _sync_module_states)
+    return timed
+
+
+def accelerate(ddp_model: DistributedDataParallel, config: Config, broadcast: Broadcast | None = None) -> StepObserver:
     """What `init()` adds to a DDP model just built: its observer, then AMP, metrics, and the hook at the first step.
-    `broadcast`: DDP broadcast rank 0's parameters as it built the model (its `init_sync`)."""
+    `broadcast`: DDP's broadcast of rank 0's parameters as it built the model (its `init_sync`), timed."""
     observer = observe(ddp_model, compiled=config.compile == "on")
     _note_pretrained(ddp_model)
     if config.sync_every:

@@ -226,3 +226,66 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     if env:
         # The user's lossy codec, taken after the measuring round or from the checkpoint, has error feedback.
         assert first["setting"][3] == "bf16" and "bf16 (set)" in first_choice[0] and first["feedback"] == [True, True]
+
+
+ZERO_CODE = """
+import json, sys, time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainaccel.comm import auto_setting
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+ddp = DDP(model, init_sync=sys.argv[2] == "init_sync")
+optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+outer = ddp.trainaccel.diloco.outer
+for step in range(1, 17):
+    time.sleep(0.01)
+    g = torch.Generator().manual_seed(rank * 100 + step)
+    ddp(torch.randn(8, 256, generator=g)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == auto_setting.FIRST:
+        first_round = [outer.syncs, outer.bytes_sent]
+ddp.trainaccel.diloco.sync()
+result = {
+    "setting": [outer.interval, len(outer.fragments), outer.overlap, outer._codec.name],
+    "first_round": first_round,
+    "params": [float(p.double().sum()) for p in model.parameters()],
+}
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "workers, wrap, measured_by",
+    [
+        (2, "init_sync", "DDP's broadcast of 1 MiB"),  # 263,168 float32 elements: 1.004 MiB
+        (2, "no_init_sync", "a full-precision sync"),  # DDP broadcast nothing
+        (3, "init_sync", "a full-precision sync"),  # Gloo's tree shares the source's link among two
+    ],
+    ids=["broadcast", "no-broadcast", "three-replicas"],
+)
+def test_zero_code_auto_measures_the_link_by_ddps_broadcast_between_two_replicas(tmp_path, workers, wrap, measured_by):
+    script = tmp_path / "zero_code_auto.py"
+    script.write_text(textwrap.dedent(ZERO_CODE))
+    cmd = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", workers, "--sync-every", "auto"]
+    proc = run([*cmd, "--sync-scope", "rank", script, tmp_path, wrap], env={"TRAINACCEL_LOG_LEVEL": "info"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(workers)]
+    assert all(r["setting"] == ranks[0]["setting"] and r["params"] == ranks[0]["params"] for r in ranks)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "sync_every=auto: H=" in line]
+    assert len(said) >= 1 and f"{measured_by} " in said[0], said
+    syncs, sent = ranks[0]["first_round"]
+    if measured_by.startswith("DDP"):  # the first round sent nothing yet: its change goes in the setting chosen
+        assert syncs == 0 and sent == 0, ranks[0]["first_round"]
+    else:  # the measuring round's sync, in full precision, waited for
+        assert syncs == 1 and sent >= 4 * 263_168, ranks[0]["first_round"]

@@ -2,7 +2,8 @@
 
 The first round (`FIRST` inner steps) is a measurement: one fragment unless given, its sync waiting for a full-precision
 exchange (`MEASURING_CODEC`); a model over `PROBE_ELEMENTS` times a probe instead (`probe_size`), then syncs the round's
-change in the setting chosen.
+change in the setting chosen. Between two replicas over Gloo, DDP's broadcast as it wrapped the model has already timed
+the link (`Broadcast`): the first round then waits for nothing and syncs its change in the setting chosen.
 From the slowest rank's step time and the least any rank waited for that exchange (the others also waited for the
 slowest to arrive), `choose()` picks the setting once; each later round's exchanges, timed on
 the communication thread, re-choose the interval only (`rechoose()`): fragments and codec change where it is exact.
@@ -60,6 +61,16 @@ class Measured:
     elements: int  # parameter elements a replica syncs
     replicas: int  # replicas the change is averaged over
     probed: int = 0  # elements the timed exchange carried where it was a probe (0: the whole model's sync)
+    broadcast: int = 0  # bytes of the broadcast timed where it was DDP's as it wrapped the model (0: a sync or probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class Broadcast:
+    """DDP's broadcast of rank 0's model as it wrapped it, timed on this rank."""
+
+    seconds: float  # from the call to its return on this rank (rank 0's ends once its sends are buffered: not timed)
+    nbytes: int  # the parameters and buffers it broadcast
+    sent: bool  # this rank was its source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +121,7 @@ def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: in
     """The setting for `measured`; options not in `free` keep the given `fragments`, `overlap`, `codec`; at most
     `tensors` fragments (a fragment holds whole tensors)."""
     step, replicas, elements = measured.step_s, max(measured.replicas, 2), measured.elements
-    measured_bytes = received_bytes(measured.codec, measured.probed or elements, replicas)
+    measured_bytes = measured.broadcast or received_bytes(measured.codec, measured.probed or elements, replicas)
 
     def sync_in(name: str) -> float:
         return measured.sync_s * received_bytes(name, elements, replicas) / measured_bytes
@@ -118,6 +129,8 @@ def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: in
     what = "a full-precision sync" if measured.codec == "none" else f"a {measured.codec} sync"
     if measured.probed:
         what = f"a full-precision probe of {measured.probed * 4 / 2**20:.3g} MiB"
+    if measured.broadcast:
+        what = f"DDP's broadcast of {measured.broadcast / 2**20:.3g} MiB"
     said = f"step {step:.3f} s, {what} {measured.sync_s:.3f} s"
     if measured.sync_s > 0:
         said += f" at {measured_bytes / measured.sync_s / 1e6:.0f} MB/s"

@@ -33,6 +33,7 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
+from trainaccel.comm.auto_setting import Broadcast
 from trainaccel.comm.outer_sync import OuterSync, resolve
 from trainaccel.comm.scheduler import comm_thread, finish_queued_jobs
 from trainaccel.comm.topology import discover
@@ -571,7 +572,7 @@ def members(model: torch.nn.Module) -> list[int]:
     return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
 
 
-def attach(model: DistributedDataParallel, config: Config, broadcast: bool = False) -> DiLoCo:
+def attach(model: DistributedDataParallel, config: Config, broadcast: Broadcast | None = None) -> DiLoCo:
     """The zero-code form: `model` (just built under `init(sync_every=...)`) trains under DiLoCo; a module wrapped
     again (a new DDP model to unfreeze layers) keeps its DiLoCo, which takes over the new wrapper. `broadcast`: DDP
     has just broadcast rank 0's parameters over its group (its `init_sync`), so the first inner step need not."""
@@ -591,12 +592,12 @@ def attach(model: DistributedDataParallel, config: Config, broadcast: bool = Fal
         diloco._rewrap(model, config.hierarchical)
     else:
         diloco = DiLoCo(model, config=config)
-    if broadcast and not diloco.outer.started and getattr(model, "process_group", None) is diloco.group:
+    if broadcast is not None and not diloco.outer.started and getattr(model, "process_group", None) is diloco.group:
         # DDP's broadcast (over the syncs' group) skips the parameters it ignores; a shard is not what it broadcast.
         skipped = getattr(model, "parameters_to_ignore", ())
         ignored = {id(p) for name, p in model.module.named_parameters() if name in skipped}
         ignored |= {id(p) for p in diloco.outer.params if hasattr(p, "to_local")}
-        diloco.outer.note_equal(p for p in diloco.outer.params if id(p) not in ignored)
+        diloco.outer.note_equal((p for p in diloco.outer.params if id(p) not in ignored), broadcast)
     observer = observer_of(model)
     if observer is not None:
         observer.diloco = diloco

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import io
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -41,7 +42,7 @@ from trainaccel.comm.scheduler import comm_thread, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for, node_group
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
-from trainaccel.devices import group_device
+from trainaccel.devices import backend_of, group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
 from trainaccel.resilience.membership import Membership
@@ -91,6 +92,8 @@ class _Auto:
         "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
         "elements": "the parameter elements a replica syncs (where auto_setting.probe_size gives a probe, the first "
         "round times an exchange of that many zeros at its end, then syncs in the setting chosen)",
+        "broadcast": "DDP's broadcast as it wrapped the model, where it timed the links the syncs take "
+        "(auto_setting.Broadcast, from `OuterSync.note_equal`): the first round syncs after choosing, as with a probe",
         "setting": "the auto_setting.Setting in use (None while measuring)",
         "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
@@ -101,6 +104,7 @@ class _Auto:
         self.free = auto_setting.left_to_auto(config)
         self.given_codec, self.fp16_scale = config.outer_compression, config.fp16_scale
         self.measuring, self.setting, self.elements = True, None, elements
+        self.broadcast: auto_setting.Broadcast | None = None
         self.exchanged: list[float] = []
         self.rounds: list[tuple[float, float]] = []
         self.skip = False
@@ -110,6 +114,12 @@ class _Auto:
         """The elements of the probe the first round times before syncing in the setting chosen (0: it times its
         sync)."""
         return auto_setting.probe_size(self.elements)
+
+    @property
+    def syncs_after_choosing(self) -> bool:
+        """The first round does not wait for a full-precision sync: a probe or DDP's broadcast measures the link, and
+        the round's change is synced in the setting chosen."""
+        return bool(self.probe or self.broadcast)
 
     def timed(self, exchange: Callable[..., Any]) -> Callable[..., Any]:
         """`exchange`, its seconds noted in `exchanged` when it succeeds."""
@@ -381,9 +391,9 @@ class OuterSync:
             for fragment in self._fragments:  # results due now first: a fragment's next sync starts on them
                 if fragment.pending is not None and fragment.pending[0] <= self.steps:
                     self._finish(fragment, outer=True)
-            probing = self._auto is not None and self._auto.measuring and self._auto.probe  # synced after: _choose
+            later = self._auto is not None and self._auto.measuring and self._auto.syncs_after_choosing  # by _choose
             for fragment in self._fragments:
-                if fragment.next_sync == self.steps and not probing:
+                if fragment.next_sync == self.steps and not later:
                     self._begin(fragment, outer=True)
             if self._fragments[-1].next_sync == self.steps:  # the round's last fragment: the next round
                 self._end_round()
@@ -414,7 +424,9 @@ class OuterSync:
         of the next round, without waiting on the exchanges in flight.
         """
         auto = self._auto
-        if auto.measuring and auto.probe:
+        if auto.measuring and auto.broadcast is not None:  # its source's time is not the link's: only the others'
+            auto.exchanged[:] = [math.inf if auto.broadcast.sent else auto.broadcast.seconds]
+        elif auto.measuring and auto.probe:
             self._probe()
         recent = self._timing[1]
         self._timing[2] = 0.0
@@ -442,12 +454,14 @@ class OuterSync:
             replicas = len(self.members)
             if self.scope == "node" and self._hierarchy is not None:
                 replicas = self._hierarchy.topology.num_nodes
-            probed = auto.probe
-            figures = auto_setting.Measured(step_s, -least, self._codec.name, auto.elements, replicas, probed)
+            probed, broadcast = auto.probe, auto.broadcast.nbytes if auto.broadcast is not None else 0
+            figures = auto_setting.Measured(
+                step_s, -least, self._codec.name, auto.elements, replicas, 0 if broadcast else probed, broadcast
+            )
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
-            if auto.probe:  # the round's change, synced now in the setting chosen: the replicas average after the
-                # first round, as when a whole-model sync measures; overlapped if the next round leaves it room
+            if auto.syncs_after_choosing:  # the round's change, synced now in the setting chosen: the replicas average
+                # after the first round, as when a whole-model sync measures; overlapped if the next round leaves room
                 wait = self.interval // len(self._fragments) < self.overlap
                 for fragment in self._fragments:
                     self._begin(fragment, outer=True, wait=wait)
@@ -531,10 +545,25 @@ class OuterSync:
         """The outer codec as set: auto's measuring round syncs in full precision, but the setting is unchanged."""
         return self._auto.given_codec if self._auto is not None and self._auto.measuring else self._codec.name
 
-    def note_equal(self, tensors: Iterable[torch.Tensor]) -> None:
+    def note_equal(self, tensors: Iterable[torch.Tensor], broadcast: auto_setting.Broadcast | None = None) -> None:
         """`tensors` hold the same bits on every rank of the group now (just broadcast): the first inner step
-        broadcasts the parameters again only if one of them has changed in place or been replaced since."""
+        broadcasts the parameters again only if one of them has changed in place or been replaced since.
+        `broadcast`: that broadcast timed (DDP's); where it crossed the links the syncs take, auto measures by it."""
         self._equal_at = {id(t): (t._version, t.data_ptr()) for t in tensors}
+        if broadcast is not None and self._auto is not None and self._auto.measuring and self._times_the_link():
+            self._auto.broadcast = broadcast
+
+    def _times_the_link(self) -> bool:
+        """Whether a broadcast over the group timed the link the syncs take: two replicas, one rank each (any
+        broadcast is then one transfer to the other; with more, Gloo's tree shares the source's link among several,
+        docs/communication.md), over Gloo (whose broadcast returns when it ends), in the flat exchange."""
+        return (
+            self._membership is None
+            and not self.started
+            and dist.get_world_size(self.group) == 2
+            and (self.scope == "rank" or self._hierarchy is None or self._hierarchy.topology.num_nodes == 2)
+            and backend_of(self.group, self.params[0].device) == "gloo"
+        )
 
     def _still_equal(self) -> bool:
         """Whether every rank's parameters are still as `note_equal` saw them (a collective of one value)."""
