@@ -1,5 +1,6 @@
 """sync_every=auto's choice of the whole setting: the policy's picks, the options it leaves alone, every rank alike."""
 
+import dataclasses
 import json
 import textwrap
 
@@ -110,6 +111,21 @@ def test_a_probe_is_scaled_to_the_model_it_stands_for():
     assert (whole.interval, whole.fragments, whole.overlap, whole.codec) == (H_CAP, 4, 1, "fp4")
     assert "a full-precision probe of 0.702 MiB 0.080 s at 9 MB/s: fp4 makes it 0.10" in probed.line()
     assert "a full-precision sync 0.800 s at 9 MB/s: fp4 makes it 0.10" in whole.line()
+
+
+@pytest.mark.parametrize("sync_s", [0.12, 0.6])  # 500 and 100 Mbit/s on the text task
+def test_ddps_broadcast_between_two_replicas_stands_for_a_full_precision_sync(sync_s):
+    # Between 2 replicas a full-precision ring allreduce brings each one the model's 4 bytes per element, as a broadcast.
+    broadcast = Measured(0.05, sync_s, "none", ELEMENTS, 2, broadcast=4 * ELEMENTS)
+    synced = Measured(0.05, sync_s, "none", ELEMENTS, 2)
+    by_broadcast, by_sync = (choose(m, ALL, 1, 0, "none", 30) for m in (broadcast, synced))
+    assert dataclasses.replace(by_broadcast, why="") == dataclasses.replace(by_sync, why="")
+    rate = f"at {4 * ELEMENTS / sync_s / 1e6:.0f} MB/s"
+    assert f"DDP's broadcast of 7.02 MiB {sync_s:.3f} s {rate}: " in by_broadcast.line()
+    assert f"a full-precision sync {sync_s:.3f} s {rate}: " in by_sync.line()
+    # Its bytes are what it carried (the buffers too), not the parameters' alone.
+    doubled = choose(Measured(0.05, sync_s, "none", ELEMENTS, 2, broadcast=8 * ELEMENTS), ALL, 1, 0, "none", 30)
+    assert f"at {8 * ELEMENTS / sync_s / 1e6:.0f} MB/s" in doubled.line()
 
 
 @pytest.mark.parametrize(
