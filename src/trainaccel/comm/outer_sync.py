@@ -460,11 +460,11 @@ class OuterSync:
             )
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
-            if auto.syncs_after_choosing:  # the round's change, synced now in the setting chosen: the replicas average
-                # after the first round, as when a whole-model sync measures; overlapped if the next round leaves room
-                wait = self.interval // len(self._fragments) < self.overlap
+            if auto.syncs_after_choosing:  # the round's change, synced now in the setting chosen and waited for: the
+                # replicas average after the first round, as when a whole-model sync measures. Overlapped by a step,
+                # this first sync ended seeds 2-3 points worse (docs/BENCHMARKS.md, "DDP's broadcast measures").
                 for fragment in self._fragments:
-                    self._begin(fragment, outer=True, wait=wait)
+                    self._begin(fragment, outer=True, wait=True)
             return
         if previous is None:
             return
