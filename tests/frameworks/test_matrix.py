@@ -160,13 +160,18 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
         assert_replicas_equal(ranks)
     elif option.startswith("sync_every_auto"):  # its H, fragments and codec follow the times it measures
         for r in ranks:
-            # The measuring round's sync at step 4, then at least one more applied by step 12 (H at most 4; the
-            # last one may still be in flight under its one step of overlap).
+            # The first round's sync at step 4 (in full precision, or after DDP's broadcast measured in the setting
+            # chosen), then at least one more applied by step 12 (H at most 4; the last one may still be in flight
+            # under its one step of overlap).
             assert r.get("diloco") and r["diloco"]["syncs"] >= 2, r.get("diloco")
             assert 0 < r["bytes_per_step"] < dense, (r["bytes_per_step"], dense)  # fewer than plain DDP's
         if ranks[0]["ddp"]:
             assert_observed_every_step(ranks)
             assert_model_not_sent_again(ranks)
+        # Two replicas under the client's DDP: the link timed by DDP's broadcast as it wrapped the model, not by a
+        # full-precision sync of auto's own (communication.md); four ranks in two-rank nodes: by that sync.
+        by_broadcast = bool(ranks[0]["ddp"]) and len(ranks) == 2
+        assert all(r["diloco"]["measured_by_broadcast"] == by_broadcast for r in ranks), [r["diloco"] for r in ranks]
         if option in NODE_SCOPE and ranks[0]["ddp"]:  # a replica per node: DDP keeps a node's workers equal
             live = [r["live_mid"] for r in ranks]
             assert live[0] == live[1] and live[2] == live[3], live

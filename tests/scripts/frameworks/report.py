@@ -128,6 +128,8 @@ class Recorder:
         diloco = observer.diloco if observer is not None else getattr(optimizer, "diloco", None)
         if diloco is not None:
             data["diloco"] = {"steps": diloco.steps, "syncs": diloco.syncs, "bytes_sent": diloco.bytes_sent}
+            auto = getattr(getattr(diloco, "outer", diloco), "_auto", None)  # sync_every=auto's state
+            data["diloco"]["measured_by_broadcast"] = auto is not None and auto.broadcast is not None
             data["bytes_per_step"] = diloco.bytes_sent / max(diloco.steps, 1)
         if optimizer is not None and hasattr(optimizer, "_compression"):  # Horovod's DistributedOptimizer
             compression = optimizer._compression
