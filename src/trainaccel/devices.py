@@ -3,6 +3,7 @@ group (NCCL) from a CPU one (Gloo, MPI, or the CPU half of `cpu:gloo,cuda:nccl`)
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Mapping
 
@@ -64,3 +65,20 @@ def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
         return backend
     parts = dict(part.strip().split(":", 1) for part in backend.split(","))  # a backend per device type
     return parts.get(device.type, backend)
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """`group`'s first rank's values (the job's rank 0 by default) into `tensors` on every rank: one broadcast per
+    dtype (DDP coalesces too), on the group's device (a CPU module's tensors cross an NCCL-only group on the GPU).
+    Tensors on the meta device hold no values and are left out (the script's own initialisation gives them theirs)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
+    for tensor in tensors:
+        if not tensor.is_meta:
+            by_dtype[tensor.dtype].append(tensor)
+    device, source = group_device(group), dist.get_global_rank(group or dist.group.WORLD, 0)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same]).to(device)
+            dist.broadcast(flat, src=source, group=group)
+            for tensor, value in zip(same, flat.split([t.numel() for t in same])):
+                tensor.copy_(value.view_as(tensor))

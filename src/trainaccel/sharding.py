@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel import context
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
-from trainaccel.devices import group_device
+from trainaccel.devices import broadcast_from_first
 from trainaccel.observer import observe, process_step, watch_optimizer_steps
 from trainaccel.resilience import failfast
 
@@ -259,7 +259,7 @@ class ShardedDataParallel(DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.training and torch.is_grad_enabled():
-            broadcast_from_rank0(list(self.module.buffers()))  # as DDP: every replica's buffers (BatchNorm's) rank 0's
+            broadcast_from_first(list(self.module.buffers()))  # as DDP: every replica's buffers (BatchNorm's) rank 0's
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
@@ -335,24 +335,7 @@ def _mp_policy(config: Config) -> Any:
 
 
 def _broadcast_from_rank0(module: torch.nn.Module) -> None:
-    broadcast_from_rank0([*module.parameters(), *module.buffers()])
-
-
-def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values into `tensors` over the default group, one broadcast per dtype (DDP coalesces too), on the
-    group's device (a CPU module's tensors cross an NCCL-only group on the GPU). Tensors on the meta device hold no
-    values: the script's own initialisation gives them theirs (the same seed on every rank, as FSDP2 asks)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
-    for tensor in tensors:
-        if not tensor.is_meta:
-            by_dtype[tensor.dtype].append(tensor)
-    device = group_device()
-    with torch.no_grad():
-        for same in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in same]).to(device)
-            dist.broadcast(flat, 0)
-            for tensor, value in zip(same, flat.split([t.numel() for t in same])):
-                tensor.copy_(value.view_as(tensor))
+    broadcast_from_first([*module.parameters(), *module.buffers()])  # meta ones: the same seed on every rank
 
 
 def _remember_replaced(before: dict[str, torch.nn.Parameter], after: dict[str, torch.nn.Parameter]) -> None:

@@ -42,7 +42,7 @@ from trainaccel.comm.scheduler import comm_thread, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for, node_group
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once
-from trainaccel.devices import backend_of, group_device
+from trainaccel.devices import backend_of, broadcast_from_first, group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
 from trainaccel.resilience.membership import Membership
@@ -586,18 +586,10 @@ class OuterSync:
         params = [p for fragment in self._fragments for p in fragment.params]
         tensors = [*([] if self._still_equal() else params), *self._fragments[-1].buffers]
         if tensors:
-            self._broadcast_from_first(tensors)
+            broadcast_from_first(tensors, self.group)
         self._make_anchors()
         self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
         self.live_is_synced = True
-
-    def _broadcast_from_first(self, tensors: list[torch.Tensor]) -> None:
-        """The group's first rank's values of `tensors` on every rank (one broadcast, in float32)."""
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
-            for tensor, value in zip(tensors, flat.split(sizes(tensors))):
-                tensor.copy_(value.view_as(tensor))
 
     def _make_anchors(self) -> None:
         for fragment in self._fragments:
