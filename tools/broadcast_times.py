@@ -11,22 +11,25 @@ would take for the bytes one rank receives (4 bytes per element).
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 WORKER = "--worker"
 
 
-def worker(elements: int, trials: int) -> None:
+def worker(elements: int, trials: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     tensor = torch.ones(elements)
-    for trial in range(trials):
+    seconds = []  # by trial: every rank's (broadcast, allreduce)
+    for _ in range(trials):
         dist.barrier()
         dist.all_gather_object([None] * size, rank)
         start = time.perf_counter()
@@ -38,9 +41,9 @@ def worker(elements: int, trials: int) -> None:
         allreduce = time.perf_counter() - start
         times: list = [None] * size
         dist.all_gather_object(times, (broadcast, allreduce))
-        if rank == 0:
-            cells = " ".join(f"{b:.3f}/{a:.3f}" for b, a in times)
-            print(f"ranks {size} trial {trial}: broadcast/allreduce seconds by rank: {cells}", flush=True)
+        seconds.append(times)
+    if rank == 0:
+        Path(out).write_text(json.dumps(seconds))
     dist.destroy_process_group()
 
 
@@ -52,45 +55,27 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2)
     args = parser.parse_args()
     from trainaccel.bench.emulate import EmulatedCluster, parse_emulate
+    from trainaccel.bench.jobs import run_workers
 
     for nodes in (int(n) for n in args.nodes.split(",")):
         emulation = parse_emulate(f"nodes={nodes},procs-per-node=1,link={args.link}")
         alone = 4 * args.elements / (emulation.link_bits_per_s / 8)
         mib = 4 * args.elements / 2**20
         print(f"{nodes} nodes at {args.link}: {mib:.3g} MiB take {alone:.3f} s at the link's rate")
-        with EmulatedCluster(emulation) as cluster:
-            env = emulation.node_env(dict(os.environ))
-            launches = [
-                [
-                    *cluster.exec_prefix(node),
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    f"--nnodes={nodes}",
-                    f"--node-rank={node}",
-                    "--nproc-per-node=1",
-                    f"--master-addr={cluster.address(0)}",
-                    "--master-port=29533",
-                    __file__,
-                    WORKER,
-                    str(args.elements),
-                    str(args.trials),
-                ]
-                for node in range(nodes)
-            ]
-            quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-            procs = [subprocess.Popen(cmd, env=env, **(quiet if node else {})) for node, cmd in enumerate(launches)]
-            try:
-                codes = [p.wait(timeout=600) for p in procs]
-            finally:  # none is left running, however this ends
-                for p in procs:
-                    p.kill()
-            if any(codes):
-                sys.exit(f"a node failed: exit codes {codes}")
+        with tempfile.TemporaryDirectory(prefix="broadcast-times-") as tmp, EmulatedCluster(emulation) as cluster:
+            out = Path(tmp) / "seconds.json"
+            launcher = [sys.executable, "-m", "torch.distributed.run"]
+            worker_cmd = [__file__, WORKER, str(args.elements), str(args.trials), str(out)]
+            seconds = run_workers(
+                "broadcast_times", launcher, worker_cmd, out, dict(os.environ), nproc_per_node=1, cluster=cluster
+            )
+        for trial, times in enumerate(seconds):
+            cells = " ".join(f"{b:.3f}/{a:.3f}" for b, a in times)
+            print(f"ranks {nodes} trial {trial}: broadcast/allreduce seconds by rank: {cells}", flush=True)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER:
-        worker(int(sys.argv[2]), int(sys.argv[3]))
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
         main()
