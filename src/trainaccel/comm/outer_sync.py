@@ -89,7 +89,8 @@ class _Auto:
         "free": "the options left to auto (auto_setting.left_to_auto); the others are the user's",
         "given_codec": "outer_compression as configured (used after the measuring round unless auto picks it)",
         "fp16_scale": "Config's fp16_scale, for the codec in use",
-        "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed",
+        "measuring": "the first round: its syncs wait for a full-precision exchange (MEASURING_CODEC), which is timed; "
+        "none run in it where `syncs_after_choosing`",
         "elements": "the parameter elements a replica syncs (where auto_setting.probe_size gives a probe, the first "
         "round times an exchange of that many zeros at its end, then syncs in the setting chosen)",
         "broadcast": "DDP's broadcast as it wrapped the model, where it timed the links the syncs take "
