@@ -116,6 +116,7 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
     assert_split([first, second], "after", 2)
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
+    assert "each step now reads the batches of 2 workers, not 3, unless the script draws its global batch" in said
     assert "ending rank 0" not in said and "ending rank 1" not in said
     if how == "kill":
         for result in (first, second):
@@ -152,7 +153,9 @@ def test_under_node_scope_a_nodes_workers_are_lost_together_and_the_other_nodes_
     assert_split(results, "after", 4)  # node 2's two parts shared by the four workers present
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 4: " in said, said[-3000:]
-    assert "; rank 5: its node's replica is lost with rank 4\n" in said, said[-3000:]
+    assert (
+        "; rank 5: its node's replica is lost with rank 4; each step now reads the batches of 4 workers, not 6" in said
+    )
     if how == "node_freeze":  # alive, in its node's exchange with the frozen rank: it learns from the store
         ending = "ending rank 5: the other replicas went on without it: its node's replica is lost with rank 4\n"
         assert ending in outputs[2], outputs[2][-3000:]
@@ -178,7 +181,9 @@ def test_under_node_scope_a_node_started_again_rejoins_whole_and_every_replica_e
     assert live[0] != live[2] != live[4] != live[0]  # each node's replica its own between syncs
     said = outputs[0] + outputs[1]
     assert "goes on with 2 of 3 replicas, without rank 4: " in said, said[-3000:]
-    assert "; rank 5: its node's replica is lost with rank 4\n" in said, said[-3000:]
+    assert (
+        "; rank 5: its node's replica is lost with rank 4; each step now reads the batches of 4 workers, not 6" in said
+    )
     assert "join@40: rank(s) 4, 5 rejoin the 2 replicas" in said, said[-3000:]
     assert outputs[2].count("this process rejoins it") == 2, outputs[2][-3000:]
     assert_split(results, "before", 6)  # node 2's second start: its workers' parts, from the job's split

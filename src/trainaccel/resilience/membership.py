@@ -186,7 +186,17 @@ class Membership:
         if gone:
             reasons = "; ".join(f"rank {r}: {self._why_lost_already(r) or 'lost'}" for r in gone)
             left, had = ({self._replica[r] for r in ranks} for ranks in (members, self.members))
-            log.warning("sync %s goes on with %d of %d replicas, without %s", name, len(left), len(had), reasons)
+            # A script that keeps each worker's batch now reads fewer examples a step, which costs quality: say so.
+            log.warning(
+                "sync %s goes on with %d of %d replicas, without %s; each step now reads the batches of %d workers, "
+                "not %d, unless the script draws its global batch over trainaccel.comm.members(model)",
+                name,
+                len(left),
+                len(had),
+                reasons,
+                len(members),
+                len(self.members),
+            )
             lost = ", ".join(map(str, gone))
             refuse_script_collectives(f"it holds rank {lost}, which the replicas went on without at sync {name}")
         return members
