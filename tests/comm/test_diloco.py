@@ -588,6 +588,13 @@ def test_refusals_are_one_line_naming_the_setting():
         DiLoCo(_net(), None, sync_every=2, outer_optimizer="adam")
     with pytest.raises(ValueError, match="static_graph=True cannot train under sync_every"):
         DiLoCo(DDP(_net(), static_graph=True), None, sync_every=2)
+    net = _net()
+    delayed = DDP(
+        net, delay_all_reduce_named_params=list(net.named_parameters())[:1], param_to_hook_all_reduce=net[-1].weight
+    )
+    for scope in ("rank", "node"):
+        with pytest.raises(ValueError, match="delay_all_reduce_named_params cannot train under sync_every: DDP all-"):
+            DiLoCo(delayed, None, sync_every=2, sync_scope=scope)
     with pytest.raises(ValueError, match="register\\(\\) adds a per-step gradient exchange"):
         register(DDP(_net()), sync_every=2)
 

@@ -113,12 +113,8 @@ class DiLoCo:
             process_group = process_group or model.process_group
         self.group = process_group or dist.group.WORLD
         scope = self._scope(config.sync_scope, model)
-        if scope == "rank" and isinstance(model, DistributedDataParallel) and model.static_graph:
-            raise ValueError(
-                "DDP's static_graph=True cannot train under sync_every with sync_scope=rank: its first iteration "
-                "needs the gradient exchange that sync_every switches off (torch has no no_sync() there); build the "
-                "model without static_graph, which has nothing to optimise without the exchange"
-            )
+        if isinstance(model, DistributedDataParallel):
+            _refuse_ddp_settings(model, scope)
         names: dict[int, str] = {}
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -490,8 +486,7 @@ class DiLoCo:
 
     def _rewrap(self, model: DistributedDataParallel, hierarchical: str) -> None:
         """A new DDP model around this module: its exchange is switched off as the old one's was."""
-        if self.scope == "rank" and model.static_graph:
-            raise ValueError("DDP's static_graph=True cannot train under sync_every with sync_scope=rank")
+        _refuse_ddp_settings(model, self.scope)
         in_warmup = self._ddp is not None
         self._ddp = model
         if not self._given:  # a new optimizer usually comes with the new wrapper: the holders are learned again
@@ -602,6 +597,23 @@ def attach(model: DistributedDataParallel, config: Config, broadcast: Broadcast 
     if observer is not None:
         observer.diloco = diloco
     return diloco
+
+
+def _refuse_ddp_settings(model: DistributedDataParallel, scope: str) -> None:
+    """The DDP settings whose gradient exchange sync_every cannot switch off, each refused in one line."""
+    if scope == "rank" and model.static_graph:
+        raise ValueError(
+            "DDP's static_graph=True cannot train under sync_every with sync_scope=rank: its first iteration "
+            "needs the gradient exchange that sync_every switches off (torch has no no_sync() there); build the "
+            "model without static_graph, which has nothing to optimise without the exchange"
+        )
+    if getattr(model, "_delay_all_reduce_params", None):
+        # DDP all-reduces these from a hook of its own, outside the reducer that no_sync() and the hooks govern.
+        raise ValueError(
+            "DDP's delay_all_reduce_named_params cannot train under sync_every: DDP all-reduces those parameters' "
+            "gradients at every step from a hook of its own, which sync_every cannot switch off; build the model "
+            "without it"
+        )
 
 
 def _keep_exchange_off(model: DistributedDataParallel, undo: list[Any]) -> None:
