@@ -599,6 +599,17 @@ def test_refusals_are_one_line_naming_the_setting():
         register(DDP(_net()), sync_every=2)
 
 
+@pytest.mark.usefixtures("one_process_group")
+def test_a_codec_says_it_does_not_reach_ddps_delayed_parameters(caplog):
+    net = _net()
+    delayed = list(net.named_parameters())[:2]
+    model = DDP(net, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=net[-1].weight)
+    with caplog.at_level("WARNING", logger="trainaccel"):
+        register(model, compression="fp16", nan_check="warn")
+    said = "DDP all-reduces the 2 parameter(s) of delay_all_reduce_named_params itself, uncompressed and unchecked: "
+    assert said + "compression=fp16, nan_check=warn and the hierarchy reach the others only" in caplog.text
+
+
 @pytest.mark.parametrize("option, value", [("compression", "fp16"), ("local_steps", 2), ("autotune", "on")])
 def test_per_step_options_are_refused_with_sync_every(option, value):
     with pytest.raises(ConfigError, match=f"invalid {option}=.*with sync_every=5, which switches off"):

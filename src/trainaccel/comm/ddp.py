@@ -43,6 +43,14 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
             f"register() adds a per-step gradient exchange, and sync_every={config.sync_every} switches it off: "
             "use trainaccel.comm.DiLoCo(model, optimizer, sync_every=...) for low-communication training"
         )
+    delayed = getattr(ddp_model, "_delay_all_reduce_params", None)
+    if delayed:
+        # DDP all-reduces them from a hook of its own, outside the reducer a communication hook replaces.
+        warn_once(
+            f"DDP all-reduces the {len(delayed)} parameter(s) of delay_all_reduce_named_params itself, uncompressed "
+            f"and unchecked: compression={config.compression}, nan_check={config.nan_check} and the hierarchy reach "
+            "the others only"
+        )
     param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     # DDP's reducer then all-reduces its map of used parameters after every step's last bucket (see CommState).
     map_after_last = ddp_model.find_unused_parameters and not getattr(ddp_model, "static_graph", False)
