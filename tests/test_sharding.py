@@ -150,6 +150,41 @@ def test_ddp_becomes_sharded_under_init_and_plain_again_after_shutdown(one_rank)
     assert type(torch.nn.parallel.DistributedDataParallel(mlp(4, 2))) is torch.nn.parallel.DistributedDataParallel
 
 
+class _Tied(torch.nn.Module):
+    """A head sharing the embedding's Parameter (GPT-2's tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "hybrid"])
+def test_tied_parameters_are_one_tensor_in_the_full_state_dict_and_round_trip_through_safetensors(
+    one_rank, mode, tmp_path
+):
+    from safetensors.torch import load_model, save_model
+
+    trainaccel.init(shard=mode, start_process_group=False)  # one unit: 'embed' alone would split the tie (refused)
+    module = _Tied()
+    ddp = torch.nn.parallel.DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    ddp(torch.arange(6)).sum().backward()
+    optimizer.step()
+    state = module.state_dict()
+    assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr(), "the tied weights came back as two"
+    save_model(module, str(tmp_path / "model.safetensors"))  # writes the shared tensor once
+    load_model(module, str(tmp_path / "model.safetensors"))  # strict: the tied name left out is not missing
+    fresh = _Tied()
+    load_model(fresh, str(tmp_path / "model.safetensors"))
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, state["embed.weight"])
+
+
 def test_a_torch_older_than_shardings_floor_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.8.0+cu126")
     for call in (lambda: trainaccel.init(shard="hybrid", start_process_group=False), lambda: shard(mlp(4, 2), "full")):

@@ -385,7 +385,7 @@ def _full_state_dicts(module: torch.nn.Module) -> None:
         finally:
             inside[0] = False
         destination = collections.OrderedDict() if destination is None else destination
-        for key, value in full.items():
+        for key, value in _tied_as_one(module, full).items():
             destination[prefix + key] = value
         return destination
 
@@ -397,12 +397,32 @@ def _full_state_dicts(module: torch.nn.Module) -> None:
         try:
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
             # A copy: torch's helper puts the loaded shards into the dict it is given.
-            return set_model_state_dict(module, dict(state_dict), options=options)
+            result = set_model_state_dict(module, dict(state_dict), options=options)
+            # The keys as a module's own load reports them: torch's helper fills a name left out with the module's
+            # value, so a tied name the file holds once (safetensors) would not show as missing, and load_model
+            # would call it unexpected. Only rank 0's dict is loaded (and its state_dict() is the full one).
+            own, given = cls.state_dict(module).keys(), set(state_dict) if dist.get_rank() == 0 else set()
+            missing = [k for k in own if k not in given] if given else []
+            unexpected = [k for k in given if k not in own]
+            return result._replace(missing_keys=missing, unexpected_keys=unexpected)
         finally:
             inside[0] = False
 
     module.state_dict = state_dict
     module.load_state_dict = load_state_dict
+
+
+def _tied_as_one(module: torch.nn.Module, full: dict[str, Any]) -> dict[str, Any]:
+    """`full` with the names of one shared Parameter (a head tied to the embedding) holding one tensor, as a module's
+    own state_dict() holds them: torch's helper copies each name's to the host apart, which safetensors then refuses."""
+    names: dict[int, list[str]] = {}
+    for name, param in type(module).named_parameters(module, remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for tied in names.values():
+        present = [name for name in tied if name in full]
+        for name in present[1:]:
+            full[name] = full[present[0]]
+    return full
 
 
 _native: list[bool] = []  # non-empty within native_state_dicts()

@@ -742,3 +742,75 @@ def test_zero_code_amp_trains_the_autocast_model_under_sync_every():
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
     plain = _by_hand(5, 2, "nesterov")  # the same without autocast: bf16's rounding is what the check sees
     assert max(float((a - b).abs().max()) for a, b in zip(zero_code, plain)) > 1e-4
+
+
+class _Tied(nn.Module):
+    """A language model's shape: the output head shares the input embedding's Parameter (GPT-2's tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(x))))
+
+
+def _tied_step(model: nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
+    x = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(i))
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    optimizer.step()
+
+
+TIED_SETTINGS = {
+    "average": {"sync_every": 2},
+    "nesterov": {"sync_every": 2, "outer_optimizer": "nesterov"},
+    "int8": {"sync_every": 2, "outer_compression": "int8"},
+    "streaming": {"sync_every": 2, "sync_fragments": 2, "sync_overlap": 1},
+    "auto": {"sync_every": "auto"},
+}
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("how", ["explicit", "zero_code"])
+@pytest.mark.parametrize("setting", TIED_SETTINGS)
+def test_tied_parameters_stay_tied_in_what_a_look_returns(setting, how, tmp_path):
+    """A head sharing the embedding's Parameter is one tensor in state_dict() (safetensors' save_model writes it once
+    and load_model accepts it), one Parameter in named_parameters() and in any copy, as under plain DDP."""
+    from safetensors.torch import load_model, save_model
+
+    options = TIED_SETTINGS[setting]
+    module = _Tied()
+    if how == "zero_code":
+        trainaccel.init(start_process_group=False, **options)
+        model = DDP(module)
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+        diloco = model.trainaccel.diloco
+    else:
+        model = module
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+        diloco = DiLoCo(model, inner, config=Config(**options))
+    try:
+        for i in range(1, 12):  # past auto's measuring round and a sync; the last step moves the replica on
+            _tied_step(model, inner, i)
+        assert diloco.syncs >= 1 and not diloco._shows_live()  # a look sees the synced model, not the live one
+        synced = _synced(diloco)[id(module.embed.weight)]
+        wrapped = "module." if how == "zero_code" else ""
+        for state, prefix in ((model.state_dict(), wrapped), (module.state_dict(), "")):
+            head, embed = state[f"{prefix}head.weight"], state[f"{prefix}embed.weight"]
+            assert head.data_ptr() == embed.data_ptr(), "the tied weights came back as two tensors"
+            assert torch.equal(embed, synced)
+        shared = dict(module.named_parameters(remove_duplicate=False))
+        assert shared["head.weight"] is shared["embed.weight"]
+        copied = copy.deepcopy(module)
+        assert copied.head.weight is copied.embed.weight
+        save_model(module, tmp_path / "model.safetensors")
+        fresh = _Tied()
+        load_model(fresh, tmp_path / "model.safetensors")  # strict: refuses a key the model does not have
+        assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, synced)
+    finally:
+        trainaccel.shutdown()

@@ -20,6 +20,8 @@ CLIENTS = {
     "lightning": ("lightning_mlp.py", "lightning"),
     "lightning_validate": ("lightning_validate.py", "lightning"),
     "accelerate": ("accelerate_loop.py", "accelerate"),
+    # GPT-2 (tied head) under gradient accumulation, with save_state/load_state and safetensors round trips.
+    "accelerate_gpt2": ("accelerate_gpt2.py", "accelerate"),
     "horovod": ("horovod_opt.py", None),
 }
 # Each option as trainaccel run flags; the one-line form passes the same options to trainaccel.init().
@@ -58,6 +60,7 @@ CI = {
     ("lightning", "sync_every_auto", "run"),
     ("lightning_validate", "fp16", "run"),
     ("accelerate", "none", "run"),
+    ("accelerate_gpt2", "sync_every", "run"),
     ("horovod", "fp16", "run"),
 }
 # Cells that fail today, each with what was seen and where the cause is: strict, so that a fix shows as XPASS.
@@ -69,6 +72,7 @@ CLIENT_WORDS = {
     "lightning": ("Lightning",),
     "lightning_validate": ("Lightning",),
     "accelerate": ("Accelerate", "accelerator"),
+    "accelerate_gpt2": ("Accelerate", "accelerator", "accelerate."),
     "horovod": ("Horovod", "hvd", "DistributedOptimizer"),
 }
 
@@ -128,7 +132,8 @@ def assert_replicas_equal(ranks: list[dict]) -> None:
 def assert_observed_every_step(ranks: list[dict]) -> None:
     for r in ranks:
         assert r["observer"], "trainaccel did not observe the client's DDP model"
-        assert r["observer_steps"] == r["steps"], f"training forwards counted {r['observer_steps']}, steps {r['steps']}"
+        forwards = r["steps"] * r.get("accumulate", 1)  # a forward per micro-batch
+        assert r["observer_steps"] == forwards, f"training forwards counted {r['observer_steps']}, expected {forwards}"
 
 
 def assert_model_not_sent_again(ranks: list[dict]) -> None:
@@ -136,6 +141,15 @@ def assert_model_not_sent_again(ranks: list[dict]) -> None:
     sending it no more."""
     for r in ranks:
         assert r["largest_broadcast"] < r["elements"], (r["largest_broadcast"], r["elements"])
+
+
+def assert_tied_weights_kept(ranks: list[dict]) -> None:
+    """GPT-2's head and token embedding are one tensor in a look at the model, and the checkpoints round-trip."""
+    for r in ranks:
+        if "round_trips" in r:
+            # A sharded model's full state dict is rank 0's alone.
+            held = r["tied_state_dict"] if r["rank"] == 0 or not r["sharded_end"] else True
+            assert held and r["tied_named_parameters"] and r["round_trips"], r
 
 
 def assert_applied(option: str, ranks: list[dict]) -> None:
@@ -212,6 +226,7 @@ def test_cell(client, option, how, tmp_path):
     ranks = read_ranks(out, world)
     assert_trained_right(ranks)
     assert_applied(option, ranks)
+    assert_tied_weights_kept(ranks)
 
 
 def test_the_ci_subset_covers_every_client_and_option():

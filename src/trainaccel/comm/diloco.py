@@ -451,6 +451,7 @@ class DiLoCo:
             return
         values = self.outer.synced_values()
         named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        saved: dict[int, torch.Tensor] = {}  # one entry per tensor: tied names (a head sharing the embedding) share it
         for name, tensor in named:
             key, value = prefix + name, values.get(id(tensor))
             if value is None or key not in destination:
@@ -461,7 +462,9 @@ class DiLoCo:
                     "state_dict() returns the synced model, the same on every rank"
                 )
                 return
-            destination[key] = _as_saved(tensor, value)
+            if id(tensor) not in saved:
+                saved[id(tensor)] = _as_saved(tensor, value)
+            destination[key] = saved[id(tensor)]
 
     # -- DDP's own exchange --------------------------------------------------------------------------------------
 
