@@ -321,3 +321,159 @@ def test_lightning_save_checkpoint_and_fit_from_it_restore_the_engine_state(opti
     assert same(engine.at_start, saved), "the engine's state did not come back as saved"
     after = engine.after[0]  # one step more: the engine counts on from the checkpoint's steps
     assert (after["diloco"]["steps"] if option == "sync_every" else after["counters"]["steps"]) == STEPS + 1
+
+
+# -- key rewrites: a script that renames the keys between saving and loading ----------------------------------------
+
+
+class Outer(nn.Module):
+    """A module that holds the model as `net` (a prefix added to every key)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def compiled(module: nn.Module) -> nn.Module:
+    return torch.compile(module, backend="eager")  # the keys of any backend's module: `_orig_mod.` first
+
+
+def strip_in_place(prefix: str) -> Callable[[dict], dict]:
+    """nanoGPT's resume: `state_dict[k[len(prefix):]] = state_dict.pop(k)`, on the dict itself (its metadata kept)."""
+
+    def rewrite(state: dict) -> dict:
+        for key in list(state):
+            if key.startswith(prefix):
+                state[key[len(prefix) :]] = state.pop(key)
+        return state
+
+    return rewrite
+
+
+def add_in_place(prefix: str) -> Callable[[dict], dict]:
+    def rewrite(state: dict) -> dict:
+        for key in list(state):
+            state[prefix + key] = state.pop(key)
+        return state
+
+    return rewrite
+
+
+@dataclass
+class Rewrite:
+    build: Callable[[], DDP]  # the trained model
+    save: Callable[[DDP], dict]  # the state dict the script saves
+    rewrite: Callable[[dict], dict]  # what the script does to it when it resumes
+    resume: Callable[[dict], DDP]  # a fresh model loading it, wrapped in DDP
+    keeps_metadata: bool = True  # else the state dict is a new dict: the resume must say what starts anew
+
+
+def _load_then(wrap: Callable[[nn.Module], nn.Module], inner: Callable[[], nn.Module] = mlp):
+    def resume(state: dict) -> DDP:
+        module = wrap(inner())
+        module.load_state_dict(state)
+        return DDP(module)
+
+    return resume
+
+
+def _load_bare_then_compile(state: dict) -> DDP:
+    module = mlp()
+    module.load_state_dict(state)
+    return DDP(compiled(module))
+
+
+REWRITES = {
+    # nanoGPT with compile=True: raw_model (the compiled module) saved, `_orig_mod.` stripped, loaded before compiling.
+    "orig_mod-stripped": Rewrite(
+        lambda: DDP(compiled(mlp())),
+        lambda m: m.module.state_dict(),
+        strip_in_place("_orig_mod."),
+        _load_bare_then_compile,
+    ),
+    "module-orig_mod-stripped": Rewrite(
+        lambda: DDP(compiled(mlp())),
+        lambda m: m.state_dict(),
+        strip_in_place("module._orig_mod."),
+        _load_bare_then_compile,
+    ),
+    "module-stripped": Rewrite(
+        lambda: DDP(mlp()), lambda m: m.state_dict(), strip_in_place("module."), _load_then(lambda m: m)
+    ),
+    "orig_mod-added": Rewrite(
+        lambda: DDP(mlp()), lambda m: m.module.state_dict(), add_in_place("_orig_mod."), _load_then(compiled)
+    ),
+    "prefix-added": Rewrite(
+        lambda: DDP(mlp()), lambda m: m.module.state_dict(), add_in_place("net."), _load_then(Outer)
+    ),
+    "new-dict": Rewrite(
+        lambda: DDP(mlp()),
+        lambda m: m.state_dict(),
+        lambda state: {k.removeprefix("module."): v for k, v in state.items()},
+        _load_then(lambda m: m),
+        keeps_metadata=False,
+    ),
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("rewrite", REWRITES)
+def test_a_resume_through_renamed_keys_restores_the_engine_state_or_says_what_starts_anew(
+    rewrite, option, trainaccel_messages
+):
+    r = REWRITES[rewrite]
+    trainaccel.init(start_process_group=False, **OPTIONS[option])
+    model = r.build()
+    train(model, mlp_loss, range(STEPS))
+    saved_engine = copy.deepcopy(trainaccel.comm.state_dict(model))
+    saved = copy.deepcopy(r.save(model))  # what torch.save then torch.load would give
+    train(model, mlp_loss, range(STEPS, STEPS + MORE))
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    del model
+    restart(OPTIONS[option])
+    said_before = len(trainaccel_messages)
+
+    resumed = r.resume(r.rewrite(saved))
+    engine = copy.deepcopy(trainaccel.comm.state_dict(resumed))
+    train(resumed, mlp_loss, range(STEPS, STEPS + MORE))
+    said = [m for m in trainaccel_messages[said_before:] if WARNING in m]
+    exact = all(torch.equal(p, q) for p, q in zip(resumed.parameters(), uninterrupted))
+    if r.keeps_metadata:
+        assert said == [], said
+        assert same(engine, saved_engine), "the engine's state did not come back as saved"
+        assert exact, "the resumed step is not the uninterrupted run's"
+    else:
+        assert len(said) == 1, f"expected one warning that the engine state starts anew, got {said}"
+        assert all(lost in said[0] for lost in LOST[option]), said[0]
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"compression": "fp16"}, "fp16's residuals (what it has not sent yet) starts anew; save "),
+        (
+            {"compression": "powersgd"},
+            "powersgd's residuals and low-rank factors and its step count (its 20 exact warm-up steps run again) "
+            "start anew",
+        ),
+        ({"compression": "topk"}, "topk's residuals (what it has not sent yet) and the step count (its 20 exact"),
+        ({"sync_every": 2}, "the sync schedule (the next sync comes sync_every steps after the load) starts anew"),
+        (
+            {"sync_every": 2, "outer_optimizer": "nesterov", "outer_compression": "int8"},
+            "sync_every's outer momentum, int8's residuals (what it has not sent yet) and the sync schedule (the "
+            "next sync comes sync_every steps after the load) start anew; save `trainaccel.comm.state_dict(model)` "
+            "beside it to keep them",
+        ),
+    ],
+)
+def test_what_starts_anew_is_named_in_one_line(options, expected, trainaccel_messages):
+    from trainaccel.comm.checkpoint import say_what_starts_anew
+
+    restart(options)
+    said_before = len(trainaccel_messages)
+    say_what_starts_anew("load_state_dict: no engine state")
+    said = trainaccel_messages[said_before:]
+    assert len(said) == 1 and expected in said[0], said

@@ -25,6 +25,7 @@ from trainaccel.comm.autotune import Autotuner
 from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split_key
 from trainaccel.comm.hooks import CommState
 from trainaccel.comm.momentum import restore_moved
+from trainaccel.comm.powersgd import START_STEP
 from trainaccel.context import current_config, warn_once
 from trainaccel.environment import env_rank, env_world_size
 from trainaccel.observer import StepObserver, observed, observer_of
@@ -144,16 +145,26 @@ def restoring_load_state_dict(original: Any) -> Any:
             saved = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
             if saved:
                 found = found or _after_a_step(saved)
-                try:
-                    target = self.get_submodule(path)
-                except AttributeError:
-                    continue
-                load_state_dict(_ddp_of(target), saved)
+                load_state_dict(_ddp_of(_saved_at(self, path)), saved)
         if not found:
             _say_what_starts_anew(self)
         return result
 
     return load
+
+
+def _saved_at(module: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The submodule of `module` that the state saved at `path` belongs to. The keys may have been renamed since the
+    save while the metadata kept its paths: a compiled module's `_orig_mod.` or DDP's `module.` stripped (nanoGPT's
+    resume), so `path` names wrappers this module lacks. Its leading parts are dropped until the rest names a
+    submodule; the module itself, at the end."""
+    parts = path.split(".") if path else []
+    while parts:
+        try:
+            return module.get_submodule(".".join(parts))
+        except AttributeError:
+            parts.pop(0)
+    return module
 
 
 def _after_a_step(saved: dict[str, Any]) -> bool:
@@ -193,12 +204,22 @@ def say_what_starts_anew(what: str) -> None:
         if config.outer_compression != "none":
             lost.append(f"{config.outer_compression}'s residuals (what it has not sent yet)")
         lost.append("the sync schedule (the next sync comes sync_every steps after the load)")
+    elif config.compression == "powersgd":
+        lost.append("powersgd's residuals and low-rank factors")
+        lost.append(f"its step count (its {max(START_STEP, config.compression_warmup)} exact warm-up steps run again)")
+    elif config.compression in ("topk", "randomk"):
+        lost.append(f"{config.compression}'s residuals (what it has not sent yet)")
+        if config.compression_warmup:
+            lost.append(f"the step count (its {config.compression_warmup} exact warm-up steps run again)")
     elif config.compression != "none":
         lost.append(f"{config.compression}'s residuals (what it has not sent yet)")
     if lost:
+        listed = lost[0] if len(lost) == 1 else f"{', '.join(lost[:-1])} and {lost[-1]}"
+        verb = "starts" if len(lost) == 1 else "start"
+        keep = "it" if len(lost) == 1 else "them"
         warn_once(
-            f"{what}: if it resumes a run, {', '.join(lost)} start anew; save `trainaccel.comm.state_dict(model)` "
-            "beside it to keep them"
+            f"{what}: if it resumes a run, {listed} {verb} anew; save `trainaccel.comm.state_dict(model)` beside it "
+            f"to keep {keep}"
         )
 
 
@@ -336,7 +357,10 @@ def _load_comm_state(
     park_all(state)
     state.parked.clear()
     state.restored_buckets.clear()
-    index_of = {name: i for i, name in enumerate(state.param_names.values())}
+    index_of = _index_of_saved_names(
+        {name: i for i, name in enumerate(state.param_names.values())},
+        [name for bucket in saved["buckets"] for name in bucket["params"]],
+    )
     unknown = []
     for bucket in saved["buckets"]:
         params = bucket["params"]
@@ -358,6 +382,34 @@ def _load_comm_state(
             f"the checkpoint's communication state names parameters this model does not have "
             f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): their buckets start empty"
         )
+
+
+# Wrappers whose attribute holds the module they wrap: their names in a parameter's path say nothing of the parameter.
+_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _index_of_saved_names(index_of: dict[str, int], saved: list[str]) -> dict[str, int]:
+    """`index_of` (this model's parameter names) extended to the names a checkpoint saved them under, where the model
+    was wrapped or renamed since: the same name without wrappers' parts (`_orig_mod.`, `module.`), else the one name
+    of this model that ends with the saved one or that it ends with (a prefix added or stripped)."""
+
+    def bare(name: str) -> str:
+        return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+    by_bare: dict[str, list[int]] = {}
+    for name, index in index_of.items():
+        by_bare.setdefault(bare(name), []).append(index)
+    found = dict(index_of)
+    for name in saved:
+        if name in found:
+            continue
+        key = bare(name)
+        matches = by_bare.get(key) or [
+            i for b, ids in by_bare.items() for i in ids if b.endswith("." + key) or key.endswith("." + b)
+        ]
+        if len(matches) == 1:
+            found[name] = matches[0]
+    return found
 
 
 def _compression(state: CommState) -> str:

@@ -727,9 +727,39 @@ def record_optimizers() -> None:
     def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         _built.add(self)
+        self.register_state_dict_post_hook(_stamp_saver)
+        self.register_load_state_dict_pre_hook(_check_saver)
 
     context.patch(torch.optim.Optimizer, "__init__", __init__)
     context.on_undo("optimizers built", _built.clear)
+
+
+# In an optimizer's state dict under sync_every (zero-code), the rank that saved it: {"rank", "world_size"}.
+SAVED_BY_KEY = "trainaccel_saved_by"
+
+
+def _stamp_saver(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Between syncs each rank's optimizer state is its own: its state dict names the rank it came from."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        state[SAVED_BY_KEY] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+
+
+def _check_saver(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Say once in the job when a rank loads an optimizer state another rank saved (Accelerate and the Trainer save
+    rank 0's alone): said by the lowest rank that is not the saver, so one line stands for every such rank."""
+    saved = state.pop(SAVED_BY_KEY, None)  # a copy torch made for its load: the script's dict keeps the stamp
+    if not saved or not dist.is_initialized():
+        return
+    rank, saver = dist.get_rank(), saved.get("rank")
+    if saver is None or saver == rank or rank != (1 if saver == 0 else 0):
+        return
+    warn_once(
+        f"sync_every: rank {rank} loaded an optimizer state saved by rank {saver}, and so does every rank that loads "
+        f"the same file: between syncs each rank's optimizer state (AdamW's moments, say) is its own, so these ranks "
+        f"resume from rank {saver}'s and grow apart again from there; save and load each rank's own for an exact "
+        "resume",
+        every_rank=True,
+    )
 
 
 def _install() -> None:
