@@ -20,6 +20,7 @@ _said: set[str] = set()
 _config: Config | None = None  # set by init(), cleared by shutdown()
 _undo: list[tuple[str, Callable[[], None]]] = []  # (what was changed, how to change it back), oldest first
 _installed: set[str] = set()  # process-wide changes made once until undo_all() (see first_time)
+_taken: set[str] = set()  # what took init()'s options in this process: "a DDP model", "hvd.DistributedOptimizer", ...
 _MISSING = object()
 
 
@@ -95,6 +96,16 @@ def patched() -> list[str]:
     return [what for what, _ in _undo]
 
 
+def note_taken(what: str) -> None:
+    """`what` (a DDP model, a sharded model, a Horovod optimizer, an explicit API object) took the options."""
+    _taken.add(what)
+
+
+def taken() -> bool:
+    """Whether anything in this process took init()'s options since it was called."""
+    return bool(_taken)
+
+
 def undo_all() -> None:
     """Undo every registered change, newest first, and forget the config and the messages already said."""
     global _config
@@ -108,5 +119,6 @@ def undo_all() -> None:
     _config = None
     _said.clear()
     _installed.clear()
+    _taken.clear()
     if errors:
         raise RuntimeError("trainaccel.shutdown() could not undo: " + "; ".join(errors))

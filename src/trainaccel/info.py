@@ -57,4 +57,15 @@ def main() -> int:
     for name in Config.unknown_env():
         table.add_row("warning", f"{name} is not a trainaccel option")
     console.print(table)
+    names = [Config.env_name(name) for name in Config.option_names()]
+    given = [f"{name}={os.environ[name]}" for name in names if name in os.environ]
+    if given:
+        print(NOT_BY_OTHER_LAUNCHERS.format(given=", ".join(given)))
     return 0
+
+
+# What `trainaccel info` says where TRAINACCEL_* options are set in its environment.
+NOT_BY_OTHER_LAUNCHERS = (
+    "trainaccel info: {given} set here: applied only in workers that `trainaccel run` starts or in a script that "
+    "calls trainaccel.init(); torchrun, accelerate launch, python and other launchers start workers that ignore them"
+)

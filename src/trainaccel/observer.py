@@ -185,6 +185,7 @@ def observe(model: torch.nn.Module, compiled: bool = False) -> StepObserver:
         compiled = compiled or "torch._dynamo" in sys.modules
         observer = StepObserver(model, compiled)
         model.trainaccel = observer
+        context.note_taken(type(model).__name__)
         _observers.add(observer)
         for ref in observer.chain:
             _by_module[ref()] = observer

@@ -22,8 +22,9 @@ from trainaccel.comm.ddp import register
 from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.config import Config
 from trainaccel.context import log, warn_once
+from trainaccel.environment import env_world_size
 from trainaccel.monitor.ddp import attach_meter
-from trainaccel.observer import StepObserver, observe, observer_of, wrapper_chain
+from trainaccel.observer import StepObserver, observe, observer_of, watch_optimizer_steps, wrapper_chain
 
 
 def patch_ddp(config: Config) -> None:
@@ -33,6 +34,8 @@ def patch_ddp(config: Config) -> None:
         diloco.record_optimizers()  # before the script builds its optimizers: a model's inner step waits for each
     if not context.first_time("DDP patch"):
         return
+    watch_optimizer_steps(after=_say_if_nothing_took_the_options)
+    context.on_undo("optimizer steps counted", _steps_untaken.clear)
     # A checkpoint is often loaded into the module before DDP wraps it: keep its engine state for the wrap.
     original_load = torch.nn.Module.load_state_dict
     context.patch(torch.nn.Module, "load_state_dict", checkpoint.restoring_load_state_dict(original_load))
@@ -151,3 +154,45 @@ def _register_at_first_step(ddp_model: DistributedDataParallel, config: Config) 
             "the script's optimizer steps)"
         )
     register(ddp_model, config)
+
+
+# Options that act without a model: the rest do nothing until a DDP model (or a sharded one, a Horovod optimizer, the
+# explicit API) takes them.
+_PROCESS_OPTIONS = frozenset({"collective_timeout", "hang_timeout", "log_level"})
+_STEPS_BEFORE_SAYING = 2  # optimizer steps with nothing taking the options: one may come before the model is wrapped
+_steps_untaken: list[int] = []  # the optimizer steps counted so far (until shutdown), at most _STEPS_BEFORE_SAYING
+
+
+def options_for_a_model(config: Config) -> list[str]:
+    """`config`'s options set away from their defaults that only a model, or an optimizer, can take."""
+    defaults = Config()
+    return [
+        f"{name}={getattr(config, name)}"
+        for name in Config.option_names()
+        if name not in _PROCESS_OPTIONS and getattr(config, name) != getattr(defaults, name)
+    ]
+
+
+def _say_if_nothing_took_the_options(optimizer: torch.optim.Optimizer) -> None:
+    """In a job of several workers, optimizers stepping while nothing took the options: say so once (an Accelerate
+    script without `cpu=True` on a machine without GPUs sees one worker and builds no DDP model)."""
+    config = context.current_config()
+    if config is None or context.taken() or len(_steps_untaken) >= _STEPS_BEFORE_SAYING:
+        return
+    _steps_untaken.append(id(optimizer))
+    counted = len(_steps_untaken)
+    if counted < _STEPS_BEFORE_SAYING:
+        return
+    world = dist.get_world_size() if dist.is_initialized() else env_world_size()  # the launcher's, without a group
+    if world < 2 or context.rank() != 0:  # a fact of the whole job: rank 0 says it (the launcher's rank 0, groupless)
+        return
+    given = options_for_a_model(config)
+    if given:
+        warn_once(
+            every_rank=True,
+            message=f"{counted} optimizer steps ran in this job of {world} workers and no "
+            f"DistributedDataParallel model, sharded model or hvd.DistributedOptimizer took {' '.join(given)}: not "
+            "applied, and unless the script exchanges gradients itself each worker trains alone. Likely causes: the "
+            "framework saw one worker and wrapped nothing (Accelerate on a machine without GPUs needs "
+            "Accelerator(cpu=True)), or the model was wrapped in DDP before trainaccel.init()",
+        )

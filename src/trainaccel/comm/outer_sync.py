@@ -41,7 +41,7 @@ from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for, node_group
 from trainaccel.config import Config
-from trainaccel.context import current_config, info_once
+from trainaccel.context import current_config, info_once, note_taken
 from trainaccel.devices import backend_of, broadcast_from_first, group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
@@ -196,6 +196,7 @@ class OuterSync:
         averaged at each sync; `options`: Config's sync_every, outer_optimizer, outer_lr, outer_momentum, sync_warmup,
         sync_fragments, sync_overlap, outer_compression, nan_check, over `config` (or init()'s, or the defaults)."""
         config = resolve(config, {k: v for k, v in options.items() if v is not None})
+        note_taken("OuterSync")
         if config.sync_every != "auto" and config.sync_every < 1:
             raise ValueError(
                 f"invalid sync_every={config.sync_every!r}; accepted: an integer >= 1, or auto, for DiLoCo"

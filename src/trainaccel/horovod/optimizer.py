@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel.comm.exchange import say_fallback, start_exchange
-from trainaccel.context import current_config, info_once
+from trainaccel.context import current_config, info_once, note_taken
 from trainaccel.horovod import background, negotiation, ops
 from trainaccel.horovod.basics import check_initialized
 from trainaccel.horovod.compression import CodecCompression, Compression, Compressor
@@ -450,6 +450,7 @@ def _launch_options(
                 f"not reach: drop {name} from the launch (amp: torch.autocast in the script; sync_scope: rank, one "
                 "replica per worker)"
             )
+    note_taken("hvd.DistributedOptimizer")
     if compression is Compression.none and config.compression in _CODECS:
         compression = _CODECS[config.compression](config)
         info_once(f"hvd.DistributedOptimizer: compression={config.compression}, from the launch's options")
