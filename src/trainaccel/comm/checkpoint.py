@@ -26,7 +26,7 @@ from trainaccel.comm.buckets import LOCAL_STORES, bucket_stores, park_all, split
 from trainaccel.comm.hooks import CommState
 from trainaccel.comm.momentum import restore_moved
 from trainaccel.comm.powersgd import START_STEP
-from trainaccel.context import current_config, warn_once
+from trainaccel.context import current_config, info_once, warn_once
 from trainaccel.environment import env_rank, env_world_size
 from trainaccel.observer import StepObserver, observed, observer_of
 
@@ -82,6 +82,7 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
         # The same on every rank but the residuals, which are the saving rank's own.
         own = not saved["diloco"].get("residuals") or _local_part_applies(saved)
         diloco.load_state_dict(saved["diloco"], local=own)
+        info_once(f"the checkpoint's sync_every state restored: inner step {saved['diloco']['steps']} and on")
         return
     local = _local_part_applies(saved)
     devices = {name: p.device for name, p in _module(ddp_model).named_parameters()}
@@ -100,8 +101,8 @@ def load_state_dict(ddp_model: torch.nn.Module, saved: dict[str, Any]) -> None:
     if "autotune" in saved:
         warn_once("the checkpoint's communication state is an autotuner's, and autotune is off now: not restored")
         return
-    if not getattr(state, "builtin", False):
-        _load_comm_state(state, saved, local, devices)
+    if not getattr(state, "builtin", False) and _load_comm_state(state, saved, local, devices):
+        info_once(f"the checkpoint's {_compression(state)} state restored: step {saved['counters']['steps']} and on")
 
 
 def attach(observer: StepObserver) -> None:
@@ -324,8 +325,9 @@ def _comm_state_dict(state: CommState) -> dict[str, Any]:
 
 def _load_comm_state(
     state: CommState, saved: dict[str, Any], local: bool, devices: dict[str, torch.device] | None = None
-) -> None:
-    """Restore `saved` into `state`; each bucket's tensors go to the device of its parameters (`devices`, by name).
+) -> bool:
+    """Restore `saved` into `state` (False: not restored, and said why); each bucket's tensors go to the device of its
+    parameters (`devices`, by name).
 
     A checkpoint keeps tensors where they were saved, and the usual recipe loads it with `map_location="cpu"`: a
     residual left there would meet a CUDA gradient at the first step. Moving them here, once, when the model's
@@ -336,7 +338,7 @@ def _load_comm_state(
             f"(hierarchical: {saved.get('hierarchical')}), this run uses compression={_compression(state)} "
             f"(hierarchical: {state.hierarchy is not None}): not restored"
         )
-        return
+        return False
     counters = saved["counters"]
     state.reductions = state.reductions_at_start = counters["steps"]
     state.fallbacks, state.skipped_steps = counters["fallbacks"], counters["skipped_steps"]
@@ -382,6 +384,7 @@ def _load_comm_state(
             f"the checkpoint's communication state names parameters this model does not have "
             f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}): their buckets start empty"
         )
+    return True
 
 
 # Wrappers whose attribute holds the module they wrap: their names in a parameter's path say nothing of the parameter.
