@@ -1,10 +1,12 @@
 """Low-communication training (sync_every, DiLoCo): exact against DiLoCo by hand, replicas equal at every sync."""
 
+import contextlib
 import copy
 import functools
 import io
 import re
 import threading
+import time
 import types
 import warnings
 
@@ -812,5 +814,53 @@ def test_tied_parameters_stay_tied_in_what_a_look_returns(setting, how, tmp_path
         fresh = _Tied()
         load_model(fresh, tmp_path / "model.safetensors")  # strict: refuses a key the model does not have
         assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, synced)
+    finally:
+        trainaccel.shutdown()
+
+
+class _Slow(nn.Module):
+    """A forward of at least `SLOW_S` seconds: a step's time is then known from below."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLOW_S)
+        return self.layer(x)
+
+
+SLOW_S = 0.02
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("how", ["no_sync", "require_backward_grad_sync"])
+def test_auto_times_an_optimizer_step_across_every_backward_it_accumulates(how):
+    """Under gradient accumulation (4 backward passes per optimizer step, DDP's no_sync() as Accelerate and the
+    Trainer use it, or nanoGPT's require_backward_grad_sync), auto's step is the optimizer step, all 4 passes."""
+    micro = 4
+    trainaccel.init(sync_every="auto", start_process_group=False)
+    try:
+        model = DDP(_Slow())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, 9):
+            for i in range(micro):
+                last = i == micro - 1
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + i))
+                if how == "no_sync":
+                    with contextlib.nullcontext() if last else model.no_sync():
+                        (model(x).square().mean() / micro).backward()
+                else:
+                    model.require_backward_grad_sync = last
+                    (model(x).square().mean() / micro).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        outer = model.trainaccel.diloco.outer
+        assert outer.steps == 8  # one inner step per optimizer step, none per backward pass
+        timed = outer._timing[1]  # the step times auto chooses from
+        assert len(timed) >= 4 and min(timed) >= micro * SLOW_S, timed
+        chosen_from = float(re.search(r"step ([0-9.]+) s", outer._auto.setting.why).group(1))
+        assert chosen_from >= micro * SLOW_S, outer._auto.setting.why  # what it said it chose from
     finally:
         trainaccel.shutdown()

@@ -12,7 +12,9 @@ the communication thread, re-choose the interval only (`rechoose()`): fragments 
   does): one step of overlap can then hide it.
 - fragments: the fewest (at most `MAX_FRAGMENTS`) whose each exchange takes at most half a step, a margin for the
   codec's work and the training sharing the machine.
-- overlap: 1 step. Measured on the text task: one step of overlap cost no quality, a whole round's did (+7.7%).
+- overlap: 1 step, where the syncs at the interval chosen take over half of `SHARE` of the time unhidden (0 below:
+  hiding them gains under 5%). Measured on the text task: one step of overlap cost no quality, a whole round's did
+  (+7.7%); on a GPT-2 under gradient accumulation, whose syncs took 2% of the time, it widened the worst seed's loss.
 - interval H: the smallest whose syncs, counted as if nothing were hidden, take at most `SHARE` of the time, and at
   most `H_CAP`: a longer interval buys speed with quality (docs/communication.md has the measurements).
 """
@@ -148,10 +150,23 @@ def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: in
             fits = "under half a step each" if sync_s / fragments <= step / 2 else "the most auto makes"
             reasons.append(f"{fragments} fragments of {sync_s / fragments:.3f} s, {fits}")
     if "sync_overlap" in free:
-        overlap = 1
+        # A step of overlap hides the syncs behind training at the price of one stale step; where they take under
+        # half the share unhidden it buys under 5% of the time. On a GPT-2 under gradient accumulation (syncs 2% of
+        # the time at H=1; 11 seeds) auto ended -2.0% against plain DDP in the median, +5.2% at worst, without it;
+        # -0.7% and +10.8% with it (docs/BENCHMARKS.md, "auto under gradient accumulation").
+        unhidden = _share(sync_s, step, interval_within(sync_s, step, max(fragments, 1))[0])
+        overlap = 1 if unhidden > SHARE / 2 else 0
     interval, why = interval_within(sync_s, step, max(fragments, overlap, 1))
+    if "sync_overlap" in free and not overlap:
+        why += f"; no overlap: syncs take {unhidden:.0%} of the time unhidden"
     reasons = [f"{said}: {', '.join(reasons)}" if reasons else said, why]
     return Setting(interval, fragments, overlap, codec, "; ".join(reasons))
+
+
+def _share(sync_s: float, step_s: float, interval: int) -> float:
+    """The share of the time syncs of `sync_s` every `interval` steps of `step_s` take, nothing hidden."""
+    total = interval * step_s + sync_s
+    return sync_s / total if total > 0 else 1.0
 
 
 def rechoose(setting: Setting, step_s: float, exchanged_s: float) -> Setting:
