@@ -254,8 +254,9 @@ def test_every_rank_takes_the_same_setting_and_rank_0_says_it_once(tmp_path, opt
     syncs, sent, applied, sent_by_then = first["first_round"]
     probed = 4 * (probe + min(probe, auto_setting.PROBE_WARMUP))  # the probe's bytes and its untimed first exchange's
     if probe:  # the round's change in the setting chosen (fp4's size to float32's), waited for: every fragment's
-        assert syncs == applied == fragments and 263_168 / 2 <= sent - probed <= 4 * 263_168, first["first_round"]
-        assert sent_by_then == sent, first["first_round"]
+        assert syncs == fragments and 263_168 / 2 <= sent - probed <= 4 * 263_168, first["first_round"]
+        # One step of overlap applies them at the next step; without it, a sync there may be the next round's.
+        assert (applied, sent_by_then) == (syncs, sent) if overlap else applied >= syncs, first["first_round"]
     else:
         assert syncs == (2 if "sync_fragments" in options else 1), first["first_round"]
         # One step of overlap applies them at the next step; without it, a sync there may be the next round's.
