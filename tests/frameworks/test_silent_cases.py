@@ -4,8 +4,6 @@ and TRAINACCEL_* variables in an environment whose launcher never starts trainac
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from conftest import SCRIPTS, run, trainaccel_cmd
@@ -24,8 +22,6 @@ SAID = "optimizer steps ran in this job of 2 workers and no DistributedDataParal
     ],
 )
 def test_workers_stepping_with_nothing_taking_the_options_are_told_once(mode, flags, expected):
-    if mode == "accelerate" and importlib.util.find_spec("accelerate") is None:
-        pytest.skip("accelerate is not installed: pip install -e '.[frameworks]'")
     cmd = [*trainaccel_cmd(), "run", "--standalone", "--nproc-per-node", 2, *flags, SCRIPT, mode]
     proc = run(cmd, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
