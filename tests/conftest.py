@@ -20,6 +20,11 @@ import trainaccel
 # other. torchrun sets the same for 2 or more workers per node; the tests check results, never speed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Every process the tests start, and this one, runs under the check that each process group has one issuing thread
+# (trainaccel.comm.owners): a collective from a second thread fails at once, however the threads' timing falls.
+CHECK_OWNERS = {"TRAINACCEL_CHECK_OWNERS": "1"}
+os.environ.update(CHECK_OWNERS)
+
 # Full smoke runs of the benchmark commands and the slow-link demo take minutes: CI keeps their faster siblings
 # (test_demo_measures_every_arm, the bench commands' option tests); `pytest -m bench_full` or TRAINACCEL_BENCH_FULL=1
 # runs them too.
@@ -153,7 +158,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 240, **kw) -> 
     On timeout the command's whole process group is killed (a launcher's workers too), then it raises.
     """
     require_multiprocess(f"conftest.run: {_described(cmd)}")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")} | CHECK_OWNERS
     args = [str(c) for c in cmd]
     with subprocess.Popen(
         args,
@@ -189,7 +194,7 @@ def run_nodes(
     require_multiprocess(f"conftest.run_nodes: {nodes} torchrun launches of {script}")
     port = free_port()
     sizes = per_node if isinstance(per_node, list) else [per_node] * nodes
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")} | CHECK_OWNERS
     procs = [
         subprocess.Popen(
             [

@@ -67,18 +67,21 @@ def test_init_selects_the_workers_gpu_whoever_starts_the_group(gpus, monkeypatch
 
 
 @pytest.mark.parametrize(
-    "backend, cpu, on_cuda",
+    "backend, cpu, on_cuda, gpu_tensors_on",
     [
-        ("gloo", True, "gloo"),
-        ("nccl", False, "nccl"),
-        ("cpu:gloo,cuda:nccl", True, "nccl"),  # what init() starts on a GPU machine
-        ("mpi", True, "mpi"),
+        ("gloo", True, "gloo", "cpu"),
+        ("nccl", False, "nccl", "cuda:1"),
+        # what init() starts on a GPU machine: a GPU model's tensors cross on NCCL, not through host memory and Gloo
+        ("cpu:gloo,cuda:nccl", True, "nccl", "cuda:1"),
+        ("mpi", True, "mpi", "cpu"),
     ],
 )
-def test_a_collectives_device_follows_the_groups_backends(gpus, monkeypatch, backend, cpu, on_cuda):
+def test_a_collectives_device_follows_the_groups_backends(gpus, monkeypatch, backend, cpu, on_cuda, gpu_tensors_on):
     gpus["count"], gpus["current"] = 2, 1
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     assert devices.uses_cpu() is cpu
     assert devices.group_device() == (torch.device("cpu") if cpu else torch.device("cuda", 1))
+    assert devices.group_device(near=torch.device("cuda", 1)) == torch.device(gpu_tensors_on)
+    assert devices.group_device(near=torch.device("cpu")) == devices.group_device()  # a CPU module's: as before
     assert devices.backend_of(None, torch.device("cuda", 1)) == on_cuda
     assert devices.backend_of(None, torch.device("cpu")) == ("gloo" if backend.startswith("cpu:") else backend)

@@ -18,6 +18,8 @@ ENV_PREFIX = "TRAINACCEL_"
 ENV_SETTINGS: dict[str, str] = {
     "heartbeat_dir": "folder where each worker also writes its heartbeat for its node's `trainaccel run`, which ends "
     "a worker that stopped beating (set by `trainaccel run`)",
+    "check_owners": "1: fail at once when a second thread issues collectives on a process group another thread "
+    "issues on (a debug check of the engine's one issuing thread per group; see docs/operations.md)",
     "elastic_dir": "folder of hvd.elastic's commit files (default: one per torchrun job in the temp dir); "
     "a relaunch with the same folder resumes from the newest commit",
 }

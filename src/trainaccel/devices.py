@@ -45,9 +45,12 @@ def select_local_device(env: Mapping[str, str] | None = None) -> torch.device | 
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor handed to a collective over `group` must live: the CPU where the group reduces CPU tensors, else
-    this worker's current GPU (an NCCL-only group, as `init_process_group("nccl")` makes)."""
+def group_device(group: dist.ProcessGroup | None = None, near: torch.device | None = None) -> torch.device:
+    """Where a tensor handed to a collective over `group` must live: `near` (the tensors' own device) where a backend of
+    the group reduces that device's tensors natively (a GPU's over the NCCL half of "cpu:gloo,cuda:nccl"); else the
+    CPU where the group reduces CPU tensors, else this worker's current GPU (an NCCL-only group)."""
+    if near is not None and near.type != "cpu" and backend_of(group, near) not in CPU_BACKENDS:
+        return near
     if uses_cpu(group):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -69,13 +72,15 @@ def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
 
 def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """`group`'s first rank's values (the job's rank 0 by default) into `tensors` on every rank: one broadcast per
-    dtype (DDP coalesces too), on the group's device (a CPU module's tensors cross an NCCL-only group on the GPU).
+    dtype (DDP coalesces too), on the tensors' device where the group's backend takes it (a GPU module's over NCCL even
+    where the group also has Gloo for the CPU), else the group's (a CPU module's cross an NCCL-only group on the GPU).
     Tensors on the meta device hold no values and are left out (the script's own initialisation gives them theirs)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
     for tensor in tensors:
         if not tensor.is_meta:
             by_dtype[tensor.dtype].append(tensor)
-    device, source = group_device(group), dist.get_global_rank(group or dist.group.WORLD, 0)
+    near = next((t.device for t in tensors if not t.is_meta), None)
+    device, source = group_device(group, near), dist.get_global_rank(group or dist.group.WORLD, 0)
     with torch.no_grad():
         for same in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same]).to(device)

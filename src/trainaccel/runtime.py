@@ -44,7 +44,10 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     if start_process_group:
         _start_process_group(mapped)
 
+    from trainaccel.comm.owners import install_if_wanted
     from trainaccel.zero_code import patch_ddp
+
+    install_if_wanted()
 
     previous = current_config()
     patch_ddp(config)

@@ -33,9 +33,10 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
+from trainaccel.comm import owners
 from trainaccel.comm.auto_setting import Broadcast
 from trainaccel.comm.outer_sync import OuterSync, resolve
-from trainaccel.comm.scheduler import comm_thread, finish_queued_jobs
+from trainaccel.comm.scheduler import comm_thread, engine_group, finish_queued_jobs
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
@@ -136,7 +137,9 @@ class DiLoCo:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._in_node = None
         if scope == "node":
-            self._in_node = _InNode(self.group)  # every worker during the warm-up, as plain DDP
+            # Every worker during the warm-up, as plain DDP, over the engine's copy of DDP's group: DDP's own
+            # collectives on its group come from the training thread (see _InNode).
+            self._in_node = _InNode(engine_group(self.group), model)
             self.outer.node_group()  # built now, on every rank (collective): the warm-up's end switches to it
             self._average_in_node(model, config.hierarchical)
         if self._ddp is not None and not self.outer.warmup:
@@ -478,7 +481,7 @@ class DiLoCo:
         def restore() -> None:
             model.require_backward_grad_sync, model.broadcast_buffers = before
             if in_node is not None:
-                in_node.group = self.group  # the hook cannot be removed: it averages over every worker again
+                in_node.group = engine_group(self.group)  # the hook cannot be removed: every worker again
 
         if in_node is not None:
             in_node.group = self.outer.node_group()
@@ -638,10 +641,18 @@ def _keep_exchange_off(model: DistributedDataParallel, undo: list[Any]) -> None:
 class _InNode:
     """State of the DDP hook that averages gradients under node scope."""
 
-    __slots__ = {"group": "what buckets are averaged over: every worker (the warm-up), then the node's workers"}
+    __slots__ = {
+        "group": "the engine's group buckets are averaged over: every worker (the warm-up), then the node's workers",
+        "ddp_group": "DDP's own group, on which its reducer all-reduces the unused-parameter map (or None)",
+    }
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, model: DistributedDataParallel):
         self.group = group
+        # DDP all-reduces its map of used parameters on its own group from the training thread, right after the last
+        # bucket's hook (find_unused_parameters): that hook waits for its job first, so that every rank issues the
+        # two in one order (NCCL may deadlock otherwise; Gloo aborts where they share a group).
+        unused_map = model.find_unused_parameters and not getattr(model, "static_graph", False)
+        self.ddp_group = (model.process_group or dist.group.WORLD) if unused_map else None
 
 
 def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations, which are strings here)
@@ -654,7 +665,11 @@ def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the an
         dist.all_reduce(tensor.div_(dist.get_world_size(group)), group=group)
         return tensor
 
-    return comm_thread().submit(average, tensor.device)
+    fut = comm_thread().submit(average, tensor.device)
+    if bucket.is_last() and state.ddp_group is not None:
+        owners.note(state.ddp_group, "DDP's unused-parameter map")
+        fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
+    return fut
 
 
 class _BackwardSeen:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainaccel.comm import owners
 from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_finite, all_gather_single, say_fallback, start_exchange
@@ -200,6 +201,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     else:
         fut = comm_thread().submit(job if state.nan_check == "off" else checked_job, buffer.device)
     if bucket.is_last() and state.ddp_collective_after_last:
+        owners.note(state.process_group, "DDP's unused-parameter map")
         fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
     if state.comm_wait is not None:
         fut = fut.then(track(state.comm_wait.mark_done))

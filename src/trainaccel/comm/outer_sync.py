@@ -39,7 +39,7 @@ from trainaccel.comm.codecs import Codec, ErrorFeedback, get_codec
 from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.scheduler import comm_thread, engine_group
-from trainaccel.comm.topology import discover, hierarchy_for, node_group
+from trainaccel.comm.topology import discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, note_taken
 from trainaccel.devices import backend_of, broadcast_from_first, group_device
@@ -320,12 +320,14 @@ class OuterSync:
             comm_thread().submit(functools.partial(admit, self._hang_s())).wait()
 
     def node_group(self) -> dist.ProcessGroup | None:
-        """Under node scope, the group this node's workers average gradients over at every step: the job's node
+        """Under node scope, the group this node's workers average gradients over at every step: the hierarchy's in-node
         group, or for a node started again to rejoin, its workers' own, built at their join (collective on first
         call, on every rank of the job's first start)."""
         if self._membership is not None and self._membership.replica_group is not None:
             return self._membership.replica_group
-        return node_group()
+        # The hierarchy's in-node group: the engine's thread alone issues on it. The job's node group (`node_group`)
+        # is the script's (SyncBatchNorm under scope=node all-reduces on it from the training thread).
+        return discover().intra_group
 
     @property
     def members(self) -> list[int]:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from trainaccel.comm import owners
 from trainaccel.context import patch
 
 # Plain allreduce for at least the first START_STEP steps (torch refuses fewer with error feedback
@@ -39,7 +40,8 @@ def powersgd_reduce(state: PowerSGDState, bucket: dist.GradBucket) -> tuple[torc
     buffer = bucket.buffer()
     compressing = state.iter >= state.start_powerSGD_iter
     before = state.total_numel_after_compression
-    result = powerSGD_hook(state, bucket).wait()
+    with owners.lent():  # its callbacks issue the next allreduces (on Gloo's thread) while this one waits
+        result = powerSGD_hook(state, bucket).wait()
     numel = state.total_numel_after_compression - before if compressing else buffer.numel()
     return result, numel * buffer.element_size()
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainaccel import context
+from trainaccel.comm import owners
 
 log = logging.getLogger("trainaccel")
 
@@ -170,13 +171,30 @@ _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def engine_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The engine's own group over the ranks of `group` (None: the default group); collective on first call.
+    """The engine's own group over the ranks of `group` (None: the default group); call on every rank of the job.
 
-    Built once per group; only that group's ranks take part (torch's local synchronization).
+    Built once per group, at registration on the calling thread. For a subgroup, every rank of the job builds every
+    rank's copy, in one order (the ranks of each are gathered first): a default group bound to a device
+    (`init_process_group(device_id=...)`) splits new NCCL communicators from its own, which every rank must join,
+    members or not (built by the members alone, they would wait forever).
     """
+    owners.install_if_wanted()
     group = dist.group.WORLD if group is None else group
     mine = _groups.get(group)
     if mine is None:
-        ranks = dist.get_process_group_ranks(group)
-        mine = _groups[group] = dist.new_group(ranks, use_local_synchronization=group is not dist.group.WORLD)
+        mine = _groups[group] = _copy(group)
+    return mine
+
+
+def _copy(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    ranks = dist.get_process_group_ranks(group)
+    if group is dist.group.WORLD:
+        return dist.new_group(ranks)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for these in sorted({tuple(r) for r in every}):
+        built = dist.new_group(list(these))
+        if list(these) == ranks:
+            mine = built
     return mine
