@@ -11,14 +11,15 @@ Every rank switches candidates at the same step; rank 0 times them and broadcast
 import dataclasses
 import logging
 import statistics
-import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from trainaccel.comm import clock
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.powersgd import START_STEP
+from trainaccel.comm.scheduler import comm_thread
 from trainaccel.config import Config
 
 log = logging.getLogger("trainaccel")
@@ -64,11 +65,13 @@ class Autotuner:
         if not candidates:
             raise ValueError("autotune needs at least one candidate")
         self.candidates, self.process_group = candidates, process_group
-        self.times: dict[str, list[float]] = {c.label: [] for c in candidates}
+        # Each timed step as clock marks (on the gradients' stream: on a GPU the host only queues the work), read
+        # when the choice is made.
+        self.times: dict[str, list[tuple[Any, Any]]] = {c.label: [] for c in candidates}
         self.chosen: Optional[Candidate] = None if len(candidates) > 1 else candidates[0]
         self._index = 0
         self._steps_on_current = 0
-        self._last_boundary: Optional[float] = None
+        self._last_boundary: Any = None
         self._switch_pending = False
 
     @property
@@ -97,10 +100,12 @@ class Autotuner:
     def after_bucket(self, bucket: dist.GradBucket) -> None:
         if self.chosen is not None or not bucket.is_last():
             return
-        now = time.perf_counter()
+        # The last bucket's reduction waited for by the next step's (DDP's finalize makes the stream wait for it):
+        # from one step's last bucket to the next's is a whole step, its reductions included.
+        now = clock.mark(bucket.buffer().device)
         candidate = self.candidates[self._index]
         if self._last_boundary is not None and self._steps_on_current > candidate.warmup:
-            self.times[candidate.label].append(now - self._last_boundary)
+            self.times[candidate.label].append((self._last_boundary, now))
         self._last_boundary = now
         self._steps_on_current += 1
         if self._steps_on_current >= candidate.warmup + 1 + TRIAL_STEPS:
@@ -111,19 +116,25 @@ class Autotuner:
         if self._index + 1 < len(self.candidates):
             self._index += 1
             return
-        # Rank 0's timings decide; every rank applies the same choice.
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        decision = torch.tensor([self._choice_index()], dtype=torch.int64, device=device)
-        dist.broadcast(decision, src=dist.get_global_rank(group, 0), group=group)
-        self.chosen = self.candidates[int(decision.item())]
+        # Rank 0's timings decide; every rank applies the same choice, sent on the engine's thread and group (DDP's
+        # own group is issued on from the training thread).
+        group = self.candidates[0].state.group
+        seconds = {label: [clock.seconds(*span, wait=True) for span in spans] for label, spans in self.times.items()}
+        decision = torch.tensor([self._choice_index(seconds)], dtype=torch.int64, device=device)
+
+        def send() -> torch.Tensor:
+            dist.broadcast(decision, src=dist.get_global_rank(group, 0), group=group)
+            return decision
+
+        self.chosen = self.candidates[int(comm_thread().submit(send, device).wait().item())]
         if dist.get_rank(group) == 0:
             tried = ", ".join(
-                f"{label} {statistics.median(t):.3f} s" if t else f"{label} -" for label, t in self.times.items()
+                f"{label} {statistics.median(t):.3f} s" if t else f"{label} -" for label, t in seconds.items()
             )
             log.info("autotune chose %s (median step time; tried: %s)", self.chosen.label, tried)
 
-    def _choice_index(self) -> int:
-        timed = {label: t for label, t in self.times.items() if t}
+    def _choice_index(self, seconds: dict[str, list[float]]) -> int:
+        timed = {label: t for label, t in seconds.items() if t}
         label = choose(timed) if timed else self.candidates[0].label
         return next(i for i, c in enumerate(self.candidates) if c.label == label)
 

@@ -2,13 +2,12 @@
 # No `from __future__ import annotations`: DDP checks this hook's annotations at runtime.
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm import owners
+from trainaccel.comm import clock, owners
 from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_finite, all_gather_single, say_fallback, start_exchange
@@ -45,28 +44,15 @@ class CommWait:
         self.ready = self.done = None
         if ready is None or done is None:
             return 0.0
-        if isinstance(ready, float):
-            return max(0.0, done - ready)
-        if not (ready.query() and done.query()):
-            return 0.0
-        return max(0.0, ready.elapsed_time(done) / 1000.0)
+        return clock.seconds(ready, done) or 0.0
 
     def mark_ready(self, device: torch.device) -> None:
-        self.ready = _now(device)
+        self.ready = clock.mark(device)
 
     def mark_done(self, fut: torch.futures.Future) -> torch.Tensor:
         value = fut.value()
-        self.done = _now(value.device)  # a CUDA future's callback runs on streams ordered after its work
+        self.done = clock.mark(value.device)  # a CUDA future's callback runs on streams ordered after its work
         return value
-
-
-def _now(device: torch.device) -> Any:
-    """The host's clock, or a timing event recorded on `device`'s current stream."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 @dataclasses.dataclass

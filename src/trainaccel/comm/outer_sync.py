@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm import auto_setting
+from trainaccel.comm import auto_setting, clock
 from trainaccel.comm.auto_setting import interval_for  # noqa: F401 (its home before auto_setting)
 from trainaccel.comm.codecs import Codec, ErrorFeedback, get_codec
 from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
@@ -96,7 +96,8 @@ class _Auto:
         "broadcast": "DDP's broadcast as it wrapped the model, where it timed the links the syncs take "
         "(auto_setting.Broadcast, from `OuterSync.note_equal`): the first round syncs after choosing, as with a probe",
         "setting": "the auto_setting.Setting in use (None while measuring)",
-        "exchanged": "seconds of each regular sync's exchange (communication thread) since the last round's end",
+        "exchanged": "each regular sync's exchange since the last round's end, as clock marks (start, end) on the "
+        "stream that ran it: on a GPU the host's clock would time the queueing, not the transfer",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
         "skip": "the round after the first choice is not measured: its syncs' exchanges finish in the next one",
     }
@@ -106,7 +107,7 @@ class _Auto:
         self.given_codec, self.fp16_scale = config.outer_compression, config.fp16_scale
         self.measuring, self.setting, self.elements = True, None, elements
         self.broadcast: auto_setting.Broadcast | None = None
-        self.exchanged: list[float] = []
+        self.exchanged: list[tuple[clock.Mark, clock.Mark]] = []
         self.rounds: list[tuple[float, float]] = []
         self.skip = False
 
@@ -122,16 +123,29 @@ class _Auto:
         the round's change is synced in the setting chosen."""
         return bool(self.probe or self.broadcast)
 
-    def timed(self, exchange: Callable[..., Any]) -> Callable[..., Any]:
-        """`exchange`, its seconds noted in `exchanged` when it succeeds."""
+    def timed(self, exchange: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+        """`exchange`, its start and end on `device`'s current stream noted in `exchanged` when it succeeds."""
 
         def run(*args: Any) -> Any:
-            start = time.perf_counter()
+            start = clock.mark(device)
             result = exchange(*args)
-            self.exchanged.append(time.perf_counter() - start)
+            self.exchanged.append((start, clock.mark(device)))
             return result
 
         return run
+
+    def take_exchanged(self, wait: bool) -> float:
+        """Seconds of the exchanges noted whose end the device has passed (all of them, waiting, with `wait`), and
+        forget them; the others stay for the next round."""
+        total, pending = 0.0, []
+        for span in self.exchanged:
+            took = span if isinstance(span, float) else clock.seconds(*span, wait=wait)
+            if took is None:
+                pending.append(span)
+            else:
+                total += took
+        self.exchanged[:] = pending
+        return total
 
     def say(self, setting: auto_setting.Setting) -> None:
         self.setting = setting
@@ -434,7 +448,7 @@ class OuterSync:
             self._probe()
         recent = self._timing[1]
         self._timing[2] = 0.0
-        exchanged, auto.exchanged[:] = sum(auto.exchanged), []
+        exchanged = auto.take_exchanged(wait=auto.measuring)  # the measuring round's waited for its exchanges
         if auto.skip:
             auto.skip = False
             return
@@ -655,7 +669,7 @@ class OuterSync:
         node = self.scope == "node" and self._hierarchy is not None
         hierarchy, codec, feedback, group = self._hierarchy, self._codec, self._feedback, self._engine_group
         average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
-        return self._auto.timed(average) if timed else average
+        return self._auto.timed(average, change.device) if timed else average
 
     def _hang_s(self) -> float | None:
         """How long a sync waits for a member alive but absent: hang_timeout (auto: from the recent step times)."""
@@ -691,7 +705,8 @@ class OuterSync:
                 sent += mine.numel() * mine.element_size()
             return mean, mine, sent
 
-        return functools.partial(membership.run, sync, self._auto.timed(exchange) if timed else exchange, hang_s)
+        timed_exchange = self._auto.timed(exchange, change.device) if timed else exchange
+        return functools.partial(membership.run, sync, timed_exchange, hang_s)
 
     def _finish(self, fragment: _Fragment, outer: bool) -> None:
         """Apply a fragment's averaged change: the outer step (`outer`) or the replicas' mean (sync()).

@@ -59,6 +59,9 @@ log = logging.getLogger("trainaccel")
 LOST_AFTER_S = 3 * HEARTBEAT_S  # a heartbeat unchanged this long: its process is gone, frozen or cut off
 TRIES = 3  # tries of one sync over the same members before every member gives up alike (not a lost member, then)
 POLL_S = 0.05
+# How long a member waits for a sync's decision before it looks at who is missing (and whether they are lost): a
+# published failure is seen within this, a stopped heartbeat within LOST_AFTER_S plus this.
+LOOK_S = 0.5
 
 
 _latest: list[list[int]] = []  # the members of the Membership that changed last: [ranks] ([]: none in this process)
@@ -206,7 +209,7 @@ class Membership:
         self._store.set(f"{key}vote/{self.rank}", "ok" if ok else "failed")
 
         def outcome(here: list[int], lost: list[int]) -> str:
-            votes = [self._store.get(f"{key}vote/{r}").decode() for r in here]
+            votes = [v.decode() for v in self._store.multi_get([f"{key}vote/{r}" for r in here])] if here else []
             return "commit" if not lost and all(v == "ok" for v in votes) else "retry"
 
         return self._decide(key, "vote", hang_s, outcome, outcome_key="outcome") == "commit"
@@ -217,7 +220,11 @@ class Membership:
         """At a point every member reaches alike (`at`, the same name on every rank): the ranks started again and
         waiting to rejoin ({rank: incarnation}), as the first member to look saw them (store reads only)."""
         key = f"{self._key}{at}/joiners"
-        if not self._store.check([key]):
+        if self._store.add(f"{key}/looking", 1) == 1:  # one member looks (a request per rank), the others wait for it
+            self._store.compare_set(key, "", json.dumps(self._waiting()))
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=LOST_AFTER_S))
+        except dist.DistStoreError:  # the member that looked is slow or gone: this one looks too (the first stays)
             self._store.compare_set(key, "", json.dumps(self._waiting()))
         return {int(r): n for r, n in json.loads(self._store.get(key)).items()}
 
@@ -303,9 +310,17 @@ class Membership:
         (`conclude(here, lost)`), which every member then reads."""
         began = time.monotonic()
         final = f"{key}{outcome_key}"
+        # Every member counts itself in: the last to come concludes at once, and the others wait on the outcome's
+        # key (the store answers when it is written). Requests per member and sync stay a few whatever the job's
+        # size; the look at each member (its key, heartbeats, a published failure) is for a sync someone is late to.
+        if self._store.add(f"{key}{what}/count", 1) == len(self.members):
+            self._store.compare_set(final, "", conclude(list(self.members), []))
         while True:
-            if self._store.check([final]):
+            try:
+                self._store.wait([final], datetime.timedelta(seconds=LOOK_S))
                 return self._store.get(final).decode()
+            except dist.DistStoreError:  # not decided yet: someone is late, or lost
+                pass
             here, lost, beats = [], [], None
             for member in self.members:
                 if member == self.rank or self._store.check([f"{key}{what}/{member}"]):
@@ -319,8 +334,6 @@ class Membership:
                 here, lost = self._lose_replicas(here, lost)
             if len(here) + len(lost) == len(self.members):
                 self._store.compare_set(final, "", conclude(here, lost))
-                continue
-            time.sleep(POLL_S)
 
     def _lost(self, rank: int, beat: dict | None, waited_s: float, hang_s: float | None) -> bool:
         """Whether `rank` is lost, judging it so in the store if this process is the first to see why."""
@@ -362,6 +375,7 @@ class Membership:
         for name in self._done:
             for what in ("here", "vote"):
                 self._store.delete_key(f"{self._key}{name}/{what}/{self.rank}")
+                self._store.delete_key(f"{self._key}{name}/{what}/count")  # all are past it (any member may go)
         self._done = names
 
     def _lost_key(self, rank: int) -> str:
