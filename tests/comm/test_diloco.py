@@ -864,3 +864,28 @@ def test_auto_times_an_optimizer_step_across_every_backward_it_accumulates(how):
         assert chosen_from >= micro * SLOW_S, outer._auto.setting.why  # what it said it chose from
     finally:
         trainaccel.shutdown()
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("codec", ["int8", "fp4"])
+def test_a_checkpoint_during_an_overlapped_sync_keeps_the_residual_from_before_it(codec):
+    """The in-flight sync's change is not in the saved anchors (every replica resumes from them and syncs it again):
+    its encode, which the communication thread may already have run, must not be in the saved residual either."""
+    from trainaccel.comm.scheduler import comm_thread
+
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    from trainaccel.config import Config
+
+    diloco = DiLoCo(model, inner, sync_every=3, sync_overlap=1, config=Config.resolve(outer_compression=codec))
+    for i in range(1, 6):
+        _step(model, inner, i)
+    before = {k: v.clone() for k, v in diloco.outer._feedback.residuals.items()}
+    assert before  # the first sync (step 3) left a residual
+    _step(model, inner, 6)  # the second sync begins, applied a step later
+    assert comm_thread().finished(30) and diloco.outer._fragments[0].pending is not None  # encoded, not applied
+    assert not torch.equal(diloco.outer._feedback.residuals["diloco/0"], before["diloco/0"])  # the live one moved
+    saved = diloco.state_dict()["residuals"]
+    assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
+    _step(model, inner, 7)  # applied: the live residual is the sync's, and a checkpoint now saves it
+    assert torch.equal(diloco.state_dict()["residuals"]["diloco/0"], diloco.outer._feedback.residuals["diloco/0"])

@@ -125,3 +125,34 @@ def test_a_sync_that_fails_over_the_same_members_ends_rather_than_retrying_forev
         membership.run("s", failing, hang_s=10.0)
     assert tries == [1] * TRIES
     assert membership.run("t", lambda group, members: members * 10, hang_s=10.0) == 10  # the next sync goes on
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_what_would_wait_for_a_lost_replica_at_every_step_is_refused_in_one_line(monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainaccel.comm import diloco
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    with pytest.raises(ValueError, match="DDP all-reduces its map of used parameters over every worker"):
+        diloco._refuse_what_reaches_other_replicas(DDP(net, find_unused_parameters=True), "node")
+    diloco._refuse_what_reaches_other_replicas(DDP(net, find_unused_parameters=True), "rank")  # its exchange is off
+    synced = nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8))
+    diloco._refuse_what_reaches_other_replicas(synced, "rank")  # one worker: the group is this replica
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # as in a job of two replicas
+    with pytest.raises(ValueError, match=r"SyncBatchNorm '1' over ranks \[0, 1\]: .* keep plain BatchNorm"):
+        diloco._refuse_what_reaches_other_replicas(synced, "rank")
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_metrics_under_continue_are_each_workers_own_and_pool_over_no_group(monkeypatch):
+    from trainaccel.monitor.metrics import StepMeter
+
+    pooled = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pooled.append(a))
+    meter = StepMeter(2, process_group=dist.group.WORLD, logs_here=lambda: True)
+    meter.step(4)
+    record = meter.step(4)
+    assert record is not None and record.workers == 1 and pooled == []
+    StepMeter(1, process_group=dist.group.WORLD).step(4)
+    assert len(pooled) == 2  # pooled where nothing can be lost

@@ -116,6 +116,8 @@ class DiLoCo:
         scope = self._scope(config.sync_scope, model)
         if isinstance(model, DistributedDataParallel):
             _refuse_ddp_settings(model, scope)
+        if config.on_lost_replica == "continue" and isinstance(model, torch.nn.Module):
+            _refuse_what_reaches_other_replicas(model, scope)
         names: dict[int, str] = {}
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -620,6 +622,36 @@ def _refuse_ddp_settings(model: DistributedDataParallel, scope: str) -> None:
             "gradients at every step from a hook of its own, which sync_every cannot switch off; build the model "
             "without it"
         )
+
+
+def _refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str) -> None:
+    """on_lost_replica=continue: collectives at every step over workers of other replicas would wait forever for a
+    lost one (on NCCL until the watchdog ends every survivor); each refused in one line."""
+    if isinstance(model, DistributedDataParallel) and scope == "node":
+        if model.find_unused_parameters and not model.static_graph:
+            raise ValueError(
+                "on_lost_replica=continue with sync_scope=node cannot train a DDP model built with "
+                "find_unused_parameters=True: DDP all-reduces its map of used parameters over every worker at every "
+                "step, which would wait for a lost node forever; build it with static_graph=True (the map is found "
+                "once) or use sync_scope=rank"
+            )
+    rank = dist.get_rank()
+    replica = set(discover().nodes[discover().node_index]) if scope == "node" else {rank}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.SyncBatchNorm):
+            group = module.process_group
+            ranks = set(dist.get_process_group_ranks(group)) if group is not None else set(range(dist.get_world_size()))
+            if not ranks <= replica:
+                within = (
+                    "convert with trainaccel.batchnorm.convert_sync_batchnorm(scope='node')"
+                    if scope == "node"
+                    else "keep plain BatchNorm (each replica its own statistics)"
+                )
+                raise ValueError(
+                    f"on_lost_replica=continue cannot train SyncBatchNorm {name!r} over ranks {sorted(ranks)}: it "
+                    f"all-reduces its statistics at every step over workers of other replicas, which would wait for "
+                    f"a lost one forever; {within}"
+                )
 
 
 def _keep_exchange_off(model: DistributedDataParallel, undo: list[Any]) -> None:

@@ -68,6 +68,8 @@ class _Fragment:
         "outer": "torch.optim.SGD over the anchors (None for average)",
         "next_sync": "`steps` at which its next regular sync starts",
         "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
+        "residual_before": "while an overlapped sync is in flight: the codec's residual from before its encode (what "
+        "a checkpoint saves, with the anchors that do not hold it yet; None: there was none)",
     }
 
     def __init__(self, index: int, params: list[torch.Tensor], buffers: list[torch.Tensor]):
@@ -76,6 +78,7 @@ class _Fragment:
         self.outer: torch.optim.Optimizer | None = None
         self.next_sync = 0
         self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
+        self.residual_before: torch.Tensor | None = None
 
     @property
     def key(self) -> str:
@@ -653,6 +656,9 @@ class OuterSync:
                 if buffers is not None
                 else values
             )
+        if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
+            kept = self._feedback.residuals.get(fragment.key)
+            fragment.residual_before = kept.clone() if kept is not None else None
         job = comm_thread().submit(average, values.device)  # on a GPU: after this step's work, on the thread's stream
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
@@ -714,7 +720,7 @@ class OuterSync:
         Steps taken while the exchange ran (sync_overlap) stay on top: what they changed since it began is added.
         """
         _, future, snapshot = fragment.pending
-        fragment.pending = None
+        fragment.pending = fragment.residual_before = None
         mean, buffers, sent = future.wait()
         self.bytes_sent += sent
         if self.nan_check != "off":
@@ -836,11 +842,24 @@ class OuterSync:
             "outer": [f.outer.state_dict() if f.outer is not None else None for f in fragments],
             "outer_compression": self._codec_setting(),
             # What a lossy codec has not sent yet, and fp16's dynamic scales: part of the trajectory.
-            "residuals": dict(self._feedback.residuals) if self._feedback is not None else {},
+            "residuals": self._saved_residuals(),
             "scales": dict(getattr(self._codec, "scales", None) or {}),
             "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
             "auto": {"measuring": self._auto.measuring} if self._auto is not None else None,
         }
+
+    def _saved_residuals(self) -> dict[str, torch.Tensor]:
+        """The residuals that go with the saved anchors: for a fragment whose sync is in flight, the one from before
+        its encode (which the communication thread may have run already)."""
+        if self._feedback is None:
+            return {}
+        saved = dict(self._feedback.residuals)
+        for fragment in self._fragments:
+            if fragment.pending is not None and fragment.pending[2] is not None:  # overlapped: see _begin
+                saved.pop(fragment.key, None)
+                if fragment.residual_before is not None:
+                    saved[fragment.key] = fragment.residual_before
+        return saved
 
     def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
         """Resume from `state_dict()` (before the next inner step); `local`: the state was saved by this rank, so its
@@ -862,7 +881,7 @@ class OuterSync:
         for fragment in self._fragments:  # every rank started these exchanges: waited for, their results dropped
             if fragment.pending is not None:
                 fragment.pending[1].wait()
-                fragment.pending = None
+                fragment.pending = fragment.residual_before = None
         if self._auto is not None:
             self._resume_auto(state)
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]

@@ -13,7 +13,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,16 +63,20 @@ class StepMeter:
         tensorboard: str | os.PathLike | None = None,
         device: torch.device | str | None = None,
         process_group: dist.ProcessGroup | None = None,
+        logs_here: Callable[[], bool] | None = None,
     ):
+        """`logs_here`: None pools every worker's figures over `process_group` and logs them on its first rank; else
+        each worker's own figures are kept, logged where it says (a group that may hold a lost rank is never used)."""
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"invalid every {every!r}; accepted: an integer >= 1 (steps between lines)")
         self.every = every
         self.device = torch.device(device) if device is not None else None
         self.group = process_group
+        self._logs_here = logs_here
         self.records: list[StepRecord] = []  # the lines logged so far, on every rank
         self.steps = 0
         self._jsonl = Path(jsonl) if jsonl is not None else None
-        self._writer = _tensorboard(tensorboard) if tensorboard is not None and rank_in(process_group) == 0 else None
+        self._writer = _tensorboard(tensorboard) if tensorboard is not None and self._logging() else None
         self._last = time.perf_counter()
         self._data = 0.0  # data wait inside the current step
         self._window = [0.0, 0.0, 0.0, 0.0]  # examples, step seconds, data seconds, steps
@@ -110,15 +114,18 @@ class StepMeter:
         record = self._pool()
         self._window = [0.0, 0.0, 0.0, 0.0]
         self.records.append(record)
-        if rank_in(self.group) == 0:
+        if self._logging():
             self._emit(record)
         return record
+
+    def _logging(self) -> bool:
+        return rank_in(self.group) == 0 if self._logs_here is None else self._logs_here()
 
     def _pool(self) -> StepRecord:
         sums = torch.tensor(self._window, dtype=torch.float64)
         peak = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64)
         workers = 1
-        if dist.is_available() and dist.is_initialized():
+        if self._logs_here is None and dist.is_available() and dist.is_initialized():
             workers = dist.get_world_size(self.group)
             device = group_device(self.group)
             sums, peak = sums.to(device), peak.to(device)
