@@ -1,8 +1,9 @@
-"""One issuing thread per process group: the debug check (trainaccel.comm.owners), and the settings it guards.
+"""One thread's order per process group: the debug check (trainaccel.comm.owners), and the settings it guards.
 
 Two threads of a rank issuing on one group interleave their collectives in an order that may differ between ranks
-(Gloo aborts on a size mismatch; NCCL hangs or sums the wrong tensors). The check fails at the second thread's first
-collective, so these faults show on the CPU whatever the timing.
+(Gloo aborts on a size mismatch; NCCL hangs or sums the wrong tensors). A group's collectives must come from one
+thread, directly or as jobs it queued on the engine's communication thread, and directly only once those jobs are
+done. The check fails at the first collective that breaks this, so these faults show on the CPU whatever the timing.
 """
 
 import threading
@@ -41,8 +42,31 @@ def test_a_second_thread_on_one_group_fails_naming_both_threads(checked):
     dist.all_reduce(torch.ones(2))
     error = _in_thread(lambda: dist.all_reduce(torch.ones(2)))
     assert isinstance(error, owners.SecondOwner)
-    assert "thread 'MainThread' issued all_reduce and thread 'script-thread' now issues all_reduce" in str(error)
-    assert "ranks [0]" in str(error)
+    said = "thread 'MainThread' ordered its collectives first (all_reduce) and thread 'script-thread' now issues"
+    assert said in str(error) and "ranks [0]" in str(error)
+
+
+def test_jobs_follow_the_order_of_the_thread_that_queued_them(checked):
+    from trainaccel.comm.scheduler import comm_thread
+
+    group = dist.new_group([0])
+    release = threading.Event()
+
+    def held() -> torch.Tensor:
+        release.wait(10)
+        return dist.all_reduce(torch.ones(2), group=group)
+
+    comm_thread().submit(lambda: dist.all_reduce(torch.ones(2), group=group)).wait()  # the main thread's order
+    pending = comm_thread().submit(held)
+    with pytest.raises(owners.SecondOwner, match="while jobs it queued .* may still be running"):
+        dist.all_reduce(torch.ones(2), group=group)  # directly, before its job on the group is done
+    release.set()
+    pending.wait()
+    assert comm_thread().finished(10)  # waited for: direct collectives follow in order
+    dist.all_reduce(torch.ones(2), group=group)
+    queued_by_another = _in_thread(lambda: comm_thread().submit(lambda: dist.barrier(group=group)).wait())
+    assert isinstance(queued_by_another, owners.SecondOwner)
+    assert "a job thread 'script-thread' queued now issues barrier" in str(queued_by_another)
 
 
 def test_each_group_has_its_own_owner(checked):
@@ -51,29 +75,33 @@ def test_each_group_has_its_own_owner(checked):
     assert _in_thread(lambda: dist.all_reduce(torch.ones(2), group=other)) is None
     assert isinstance(_in_thread(lambda: dist.barrier()), owners.SecondOwner)
     assert [(o[0], o[2]) for o in owners.owners()] == [("MainThread", "broadcast"), ("script-thread", "all_reduce")]
+    assert "thread 'MainThread' ordered its collectives first (broadcast)" in str(_in_thread(lambda: dist.barrier()))
+
+
+def _in_c10d_thread(fn) -> BaseException | None:
+    """`fn` on a thread Python did not start, as c10d's own threads run a future's callbacks."""
+    import _thread
+
+    done, caught = threading.Event(), []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 (handed back to the test)
+            caught.append(e)
+        done.set()
+
+    _thread.start_new_thread(run, ())
+    assert done.wait(30)
+    return caught[0] if caught else None
 
 
 def test_callbacks_of_a_waiting_owner_may_issue_a_python_thread_may_not(checked):
     dist.all_reduce(torch.ones(2))
-    group = dist.group.WORLD
-
-    def chained() -> None:
-        # A c10d future's callback runs on Gloo's own thread: what torch's PowerSGD hook chains its allreduces in.
-        fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
-        fut.then(lambda _: dist.all_reduce(torch.ones(2), group=group)).wait()
-
-    with owners.lent():
-        chained()
+    with owners.lent():  # as torch's PowerSGD hook waits on its chain of allreduces
+        assert _in_c10d_thread(lambda: dist.all_reduce(torch.ones(2))) is None
         assert isinstance(_in_thread(lambda: dist.all_reduce(torch.ones(2))), owners.SecondOwner)
-    with pytest.raises(RuntimeError, match="two threads issue collectives"):
-        _fail_if_callbacks_issue_unlent(chained)
-
-
-def _fail_if_callbacks_issue_unlent(chained) -> None:
-    # Without lent(), the callback's collective is a second thread's (the error reaches wait() through the future).
-    dist.all_reduce(torch.ones(2))
-    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
-    fut.then(lambda _: dist.all_reduce(torch.ones(2))).wait()
+    assert isinstance(_in_c10d_thread(lambda: dist.all_reduce(torch.ones(2))), owners.SecondOwner)  # not lent
 
 
 def test_shutdown_removes_the_check(checked):
@@ -106,7 +134,7 @@ def test_sync_every_with_a_warmup_under_every_ddp_setting_has_one_owner_per_grou
     )
     for proc in procs:
         assert proc.returncode == 0, proc.stdout[-4000:]
-        assert "two threads issue collectives" not in proc.stdout
+        assert "two threads' collectives" not in proc.stdout
     ranks = read_ranks(tmp_path, 4)
     for setting in settings:
         synced = {r[setting]["synced"] for r in ranks}

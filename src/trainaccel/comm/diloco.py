@@ -699,8 +699,9 @@ def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the an
 
     fut = comm_thread().submit(average, tensor.device)
     if bucket.is_last() and state.ddp_group is not None:
-        owners.note(state.ddp_group, "DDP's unused-parameter map")
         fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
+        owners.drained()  # jobs run in order: this thread's are all done
+        owners.note(state.ddp_group, "DDP's unused-parameter map")
     return fut
 
 

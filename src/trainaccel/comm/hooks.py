@@ -187,8 +187,9 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     else:
         fut = comm_thread().submit(job if state.nan_check == "off" else checked_job, buffer.device)
     if bucket.is_last() and state.ddp_collective_after_last:
-        owners.note(state.process_group, "DDP's unused-parameter map")
         fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
+        owners.drained()  # jobs run in order: this thread's are all done
+        owners.note(state.process_group, "DDP's unused-parameter map")
     if state.comm_wait is not None:
         fut = fut.then(track(state.comm_wait.mark_done))
     if state.nan_check == "off" or not realign:

@@ -1,16 +1,21 @@
-"""A debug check that each process group is issued on by one thread only (TRAINACCEL_CHECK_OWNERS=1).
+"""A debug check that each process group's collectives follow one thread's order (TRAINACCEL_CHECK_OWNERS=1).
 
-Two threads of one rank issuing collectives on one group (the engine's communication thread and the training thread,
+Two threads of a rank issuing collectives on one group (the engine's communication thread and the training thread,
 say) interleave them in an order that may differ between ranks: Gloo then aborts on a size mismatch, NCCL hangs or
-sums the wrong tensors. Whether it shows depends on timing; this check does not. Each group's first issuing thread
-becomes its owner, and a collective from any other thread fails at once, naming both. Collectives torch issues
-from C++ (DDP's unused-parameter map, its builtin allreduce) are noted by the engine's hooks where they run
-(`note`). `shutdown()` removes the check.
+sums the wrong tensors. Whether it shows depends on timing; this check does not. A group's collectives come either
+from one thread directly, or from jobs that thread queued on the engine's communication thread, in its order: the
+first thread to order a group owns it. It fails at once when another thread issues on the group, or queues jobs that
+do, or when the owner issues directly on it while jobs it queued are not known to be done (it must wait for them
+first: `drained`). Collectives torch issues from C++ (DDP's unused-parameter map) are noted where the engine's hooks
+see them (`note`). A job that waits on a chain of c10d futures (torch's PowerSGD hook issues its next collective from
+the previous one's callback, on Gloo's own thread) lends its place to those callbacks (`lent`). `shutdown()` removes
+the check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -57,14 +62,23 @@ CHECKED = (
 
 
 class SecondOwner(RuntimeError):
-    """A second thread issued a collective on a process group another thread issues on."""
+    """A group's collectives were ordered by a second thread, or issued before the jobs that use it were done."""
 
 
-# group -> (thread id, thread name, what it issued first); weak: a destroyed group's entry goes with it.
-_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class _Use:
+    owner: tuple[int, str]  # (id, name) of the thread whose order the group's collectives follow
+    first: str  # what it issued first
+    by_jobs: bool = False  # some of them ran as jobs of the engine's communication thread
+
+
+_uses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _Use (a destroyed group's goes with it)
 _lock = threading.Lock()
-_seen: list[tuple[str, str, str]] = []  # (thread name, group's ranks, what): every first issue, for tests and logs
-_lending: set[int] = set()  # threads blocked on c10d futures whose callbacks may issue on their groups (`lent`)
+_seen: list[tuple[str, str, str]] = []  # (owner's name, group's ranks, what): every group's first issue, for tests
+# thread -> the last job it queued on the communication thread (a future), until it waited for all (`drained`)
+_queued: dict[int, Any] = {}
+_job = threading.local()  # on the communication thread, .by: the (id, name) of the thread that queued the running job
+_lending: dict[int, tuple[int, str]] = {}  # threads blocked on c10d futures -> the job's (`lent`)
 
 
 def wanted() -> bool:
@@ -95,9 +109,10 @@ def install() -> None:
 
     def forget() -> None:
         _installed.clear()
-        _lending.clear()
-        _owners.clear()
+        _uses.clear()
         _seen.clear()
+        _queued.clear()
+        _lending.clear()
 
     context.on_undo("collective owners check", forget)
 
@@ -107,45 +122,88 @@ def install_if_wanted() -> None:
         install()
 
 
+def queued(job: Any) -> tuple[int, str]:
+    """The calling thread queues `job` (its future) on the communication thread; returns who queued it."""
+    thread = threading.current_thread()
+    if _installed:
+        _queued[thread.ident] = job
+    return (thread.ident, thread.name)
+
+
+def drained() -> None:
+    """The calling thread waited for every job it queued: it may issue directly on their groups again."""
+    _queued.pop(threading.get_ident(), None)
+
+
+def _still_queued(ident: int) -> bool:
+    """Whether jobs `ident` queued may still run (they run in order: its last one is not done)."""
+    job = _queued.get(ident)
+    return job is not None and not job.done()
+
+
+@contextlib.contextmanager
+def running_for(by: tuple[int, str]) -> Iterator[None]:
+    """On the communication thread: the job that runs inside was queued by thread `by`."""
+    _job.by = by
+    try:
+        yield
+    finally:
+        _job.by = None
+
+
+@contextlib.contextmanager
+def lent() -> Iterator[None]:
+    """While this job waits on c10d futures, their callbacks (on c10d's own threads) issue in its place."""
+    ident = threading.get_ident()
+    by = getattr(_job, "by", None)
+    _lending[ident] = by if by is not None else (ident, threading.current_thread().name)
+    try:
+        yield
+    finally:
+        _lending.pop(ident, None)
+
+
 def note(group: Any, what: str) -> None:
-    """`what` is issued on `group` (None: the default group) from this thread: fail if another thread owns it."""
+    """`what` is issued on `group` (None: the default group) from this thread: fail if its order is not one thread's."""
     if not _installed:
         return
     group = distributed_c10d._get_default_group() if group is None or group is dist.group.WORLD else group
     if group is None or group is distributed_c10d.GroupMember.NON_GROUP_MEMBER:
         return
     thread = threading.current_thread()
+    by, job = getattr(_job, "by", None), True
+    if by is None and isinstance(thread, threading._DummyThread) and _lending:  # a c10d callback (see lent)
+        by = next(iter(_lending.values()))
+    if by is None:
+        by, job = (thread.ident, thread.name), False
     with _lock:
-        owner = _owners.get(group)
-        if owner is None:
-            _owners[group] = (thread.ident, thread.name, what)
-            _seen.append((thread.name, _ranks(group), what))
-            return
-    if owner[0] == thread.ident or (owner[0] in _lending and isinstance(thread, threading._DummyThread)):
-        return  # the owner, or c10d's own thread (not one of Python's) running a callback while the owner waits
+        use = _uses.get(group)
+        if use is None:
+            use = _uses[group] = _Use(by, what)
+            _seen.append((by[1], _ranks(group), what))
+    why = None
+    if use.owner[0] != by[0]:
+        how = f"thread {by[1]!r} now issues {what}" if not job else f"a job thread {by[1]!r} queued now issues {what}"
+        why = f"thread {use.owner[1]!r} ordered its collectives first ({use.first}) and {how}"
+    elif not job and use.by_jobs and _still_queued(by[0]):
+        why = (
+            f"thread {by[1]!r} issues {what} on it directly while jobs it queued on the communication thread, which "
+            "issue on it too, may still be running (wait for them first)"
+        )
+    if job:
+        use.by_jobs = True
+    if why is None:
+        return
     message = (
-        f"two threads issue collectives on one process group (ranks {_ranks(group)}): thread {owner[1]!r} issued "
-        f"{owner[2]} and thread {thread.name!r} now issues {what}; their order could differ between ranks "
-        "(Gloo aborts on a size mismatch, NCCL hangs): each group needs one issuing thread "
-        "(TRAINACCEL_CHECK_OWNERS=1 checks this)"
+        f"two threads' collectives on one process group (ranks {_ranks(group)}): {why}; their order could differ "
+        "between ranks (Gloo aborts on a size mismatch, NCCL hangs) (TRAINACCEL_CHECK_OWNERS=1 checks this)"
     )
     log.error(message)
     raise SecondOwner(message)
 
 
-@contextlib.contextmanager
-def lent() -> Iterator[None]:
-    """While this thread waits on c10d futures, their callbacks (on c10d's threads) may issue on its groups."""
-    ident = threading.get_ident()
-    _lending.add(ident)
-    try:
-        yield
-    finally:
-        _lending.discard(ident)
-
-
 def owners() -> list[tuple[str, str, str]]:
-    """(thread name, group's ranks, first collective) for each group issued on since the check was installed."""
+    """(owner thread's name, group's ranks, first collective) for each group issued on since the check was installed."""
     return list(_seen)
 
 

@@ -53,7 +53,7 @@ class CommThread:
         if cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        self._jobs.put((job, fut, device if cuda else None, ready))
+        self._jobs.put((job, fut, device if cuda else None, ready, owners.queued(fut)))
         return fut
 
     def finished(self, timeout_s: float | None = None) -> bool:
@@ -61,8 +61,11 @@ class CommThread:
         if not self._thread.is_alive():
             return True
         done = threading.Event()
-        self._jobs.put((done.set, torch.futures.Future(), None, None))
-        return done.wait(timeout_s)
+        self._jobs.put((done.set, torch.futures.Future(), None, None, None))
+        if not done.wait(timeout_s):
+            return False
+        owners.drained()
+        return True
 
     def stop(self, timeout_s: float | None = None) -> bool:
         """Finish the jobs submitted so far, then end the thread, waiting at most `timeout_s`; whether it ended."""
@@ -75,16 +78,18 @@ class CommThread:
             item = self._jobs.get()
             if item is None:
                 return
-            job, fut, device, ready = item
+            job, fut, device, ready, by = item
             if device is None:
-                _complete(job, fut)
+                with owners.running_for(by):
+                    _complete(job, fut)
             else:
                 stream = self._streams.get(device)
                 if stream is None:
                     stream = self._streams[device] = torch.cuda.Stream(device=device)
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    _complete(job, fut)  # the future records its events on this stream
+                    with owners.running_for(by):
+                        _complete(job, fut)  # the future records its events on this stream
                     passed = torch.cuda.Event()
                     passed.record(stream)
                 # The job holds tensors the caller allocated on its own stream: freed now, their memory could be

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from trainaccel import context
+from trainaccel.comm import owners
 from trainaccel.comm.scheduler import comm_thread
 
 _last: torch.futures.Future | None = None  # the newest job's future: the thread runs jobs in order
@@ -54,6 +55,7 @@ def drain() -> None:
         last.wait()
     except Exception:  # the job's owner reports it; here only the order matters
         pass
+    owners.drained()  # this thread may issue directly on the process sets' groups again
     if _last is last:
         _last = None
 

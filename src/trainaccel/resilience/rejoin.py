@@ -198,6 +198,8 @@ _refusal: list[str] = []  # why the script's collectives on the default group ar
 _began: list[bool] = []  # [True] once an inner step ended (training_began)
 # Callers whose collectives count as the script's: the Horovod API's are the script's hvd.allreduce and the like.
 _SCRIPTS_OWN = ("trainaccel.horovod",)
+# Wrappers of the same collectives, which pass every call on: the caller is the one that called them.
+_PASSING_THROUGH = ("trainaccel.comm.owners",)
 
 
 def _watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
@@ -206,7 +208,10 @@ def _watched(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(collective)
     def watched(*args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_globals.get("__name__") in _PASSING_THROUGH:
+            frame = frame.f_back
+        caller = frame.f_globals.get("__name__", "")
         # torch's and trainaccel's own calls are theirs to route; the Horovod API's are made for the script
         if caller.startswith(_SCRIPTS_OWN) or not caller.startswith(("torch.", "trainaccel.")):
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
