@@ -773,7 +773,9 @@ TIED_SETTINGS = {
     "nesterov": {"sync_every": 2, "outer_optimizer": "nesterov"},
     "int8": {"sync_every": 2, "outer_compression": "int8"},
     "streaming": {"sync_every": 2, "sync_fragments": 2, "sync_overlap": 1},
-    "auto": {"sync_every": "auto"},
+    # Overlapped, the replica moves on after every sync whatever H auto picks from this machine's timings (H=1 on a
+    # busy machine would leave the live replica synced after the last step, with nothing for a look to show).
+    "auto": {"sync_every": "auto", "sync_overlap": 1},
 }
 
 

@@ -68,6 +68,8 @@ class _Fragment:
         "outer": "torch.optim.SGD over the anchors (None for average)",
         "next_sync": "`steps` at which its next regular sync starts",
         "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
+        "snapshot": "float32 parameters and buffers as an overlapped sync began, at the anchors' home (kept between "
+        "syncs: pinned host memory is slow to allocate); None until the first",
         "residual_before": "while an overlapped sync is in flight: the codec's residual from before its encode (what "
         "a checkpoint saves, with the anchors that do not hold it yet; None: there was none)",
     }
@@ -79,6 +81,7 @@ class _Fragment:
         self.next_sync = 0
         self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
         self.residual_before: torch.Tensor | None = None
+        self.snapshot: torch.Tensor | None = None
 
     @property
     def key(self) -> str:
@@ -637,29 +640,25 @@ class OuterSync:
         replicas = self._hierarchy.topology.num_nodes if node else world
         if self._membership is not None:
             replicas = world = 1  # divided by the members present when the sync runs
+        measuring = self._auto is not None and self._auto.measuring  # auto's first round waits for its syncs
+        overlapped = outer and self.overlap > 0 and not measuring and not wait
         with torch.no_grad():
-            values = torch.cat([p.detach().reshape(-1).float() for p in fragment.params])
-            # Summing shares: fp16/bf16 sums stay in range, and every rank gets the same bits.
-            anchors = [a.to(values.device, non_blocking=True).reshape(-1) for a in fragment.anchors]
-            change = torch.cat(anchors).sub_(values).div_(replicas)
+            # The change, filled tensor by tensor from the anchors (pinned host memory for a GPU's) and the
+            # parameters: a sync's only full-size device buffer (float32, divided: fp16/bf16 sums stay in range,
+            # and every rank gets the same bits).
+            change = _filled(fragment.params, fragment.anchors, fragment.params[0].device).div_(replicas)
             buffers = torch.cat([b.reshape(-1).float() for b in fragment.buffers]) if fragment.buffers else None
+            snapshot = None  # what the steps taken while the exchange runs are measured from: at the anchors' home
+            if overlapped:
+                snapshot = fragment.snapshot = _snapshot(fragment.snapshot, [*fragment.params, *fragment.buffers])
         if buffers is not None:
             buffers.div_(world)
         name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
         average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
-        measuring = self._auto is not None and self._auto.measuring  # auto's first round waits for its syncs
-        overlapped = outer and self.overlap > 0 and not measuring and not wait
-        snapshot = None  # what the steps taken while the exchange runs are measured from
-        if overlapped:  # `values` is a copy of its own, used no more here: it is the snapshot when there are no buffers
-            snapshot = (
-                torch.cat([values, *(b.reshape(-1).float() for b in fragment.buffers)])
-                if buffers is not None
-                else values
-            )
         if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
             kept = self._feedback.residuals.get(fragment.key)
             fragment.residual_before = kept.clone() if kept is not None else None
-        job = comm_thread().submit(average, values.device)  # on a GPU: after this step's work, on the thread's stream
+        job = comm_thread().submit(average, change.device)  # on a GPU: after this step's work, on the thread's stream
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
             self._finish(fragment, outer)
@@ -727,33 +726,33 @@ class OuterSync:
             self._check_finite(fragment, mean, buffers)
         with torch.no_grad():
             means = mean.split([a.numel() for a in fragment.anchors])
-            if outer and fragment.outer is not None:
-                with staged(fragment.anchors, fragment.outer, mean.device):
-                    for anchor, change in zip(fragment.anchors, means):
-                        anchor.grad = change.view_as(anchor)  # the outer "gradient"
-                    fragment.outer.step()
-                    for anchor in fragment.anchors:
-                        anchor.grad = None
-                targets = fragment.anchors
-            elif outer:  # average: the mean of the replicas is the new anchor
-                with staged(fragment.anchors, None, mean.device):
-                    for anchor, change in zip(fragment.anchors, means):
-                        anchor.sub_(change.view_as(anchor))
-                targets = fragment.anchors
-            else:  # sync(): the replicas' mean, the anchor (and the outer optimizer) untouched
-                targets = [a.to(change.device) - change.view_as(a) for a, change in zip(fragment.anchors, means)]
+            if outer:  # the new anchors: the outer step on the mean change (average: the mean of the replicas)
+                for chunk in _chunks(fragment.anchors):
+                    with staged([fragment.anchors[i] for i in chunk], fragment.outer, mean.device):
+                        if fragment.outer is not None:
+                            for i in chunk:
+                                fragment.anchors[i].grad = means[i].view_as(fragment.anchors[i])  # its "gradient"
+                            fragment.outer.step()  # over this chunk's anchors: the others have no gradient
+                            for i in chunk:
+                                fragment.anchors[i].grad = None
+                        else:
+                            for i in chunk:
+                                fragment.anchors[i].sub_(means[i].view_as(fragment.anchors[i]))
             tensors = [*fragment.params, *(fragment.buffers if buffers is not None else [])]
-            values = [*targets, *(buffers.split(sizes(fragment.buffers)) if buffers is not None else [])]
+            values = [*fragment.anchors, *(buffers.split(sizes(fragment.buffers)) if buffers is not None else [])]
             then = snapshot.split(sizes(tensors)) if snapshot is not None else [None] * len(tensors)
-            for tensor, value, before in zip(tensors, values, then):
+            for i, (tensor, value, before) in enumerate(zip(tensors, values, then)):
+                if not outer and i < len(fragment.params):  # sync(): the replicas' mean, the anchor untouched
+                    value = value.to(mean.device, non_blocking=True).sub_(means[i].view_as(value))
                 if before is None:  # from pinned host memory, in the stream's order: the host does not wait
                     tensor.copy_(value.view_as(tensor), non_blocking=True)
                 else:
                     value = value.to(tensor.device, non_blocking=True).view_as(tensor)
+                    before = before.to(tensor.device, non_blocking=True).view_as(tensor)
                     if tensor.dtype == torch.float32:  # in place: the same float32 operations, without a copy
-                        tensor.sub_(before.view_as(tensor)).add_(value)
+                        tensor.sub_(before).add_(value)
                     else:  # in float32, rounded once to the tensor's dtype
-                        tensor.copy_((tensor.float() - before.view_as(tensor)).add_(value))
+                        tensor.copy_((tensor.float() - before).add_(value))
         if outer and buffers is not None:
             self._synced_buffers = [b.clone() for b in buffers.split(sizes(fragment.buffers))]
         if outer:
@@ -940,6 +939,46 @@ def _average(
         dist.all_reduce(buffers, group=group)
         sent += buffers.numel() * buffers.element_size()
     return mean, buffers, sent
+
+
+# A sync's outer step runs this many float32 elements of anchors (and their momentum) at a time, on the parameters'
+# device, each chunk staged there from the anchors' home and back: 64 MiB each, or one tensor if larger.
+STAGE_ELEMENTS = 16 * 2**20
+
+
+def _chunks(anchors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `anchors` in runs of about STAGE_ELEMENTS (the outer step's temporaries are a chunk's too)."""
+    runs: list[list[int]] = [[]]
+    held = 0
+    for i, anchor in enumerate(anchors):
+        if runs[-1] and held + anchor.numel() > STAGE_ELEMENTS:
+            runs.append([])
+            held = 0
+        runs[-1].append(i)
+        held += anchor.numel()
+    return runs
+
+
+def _filled(params: list[torch.Tensor], anchors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """anchor - parameter for each tensor, into one float32 buffer on `device` (the same float32 operations as on the
+    whole: the parameter is widened exactly); the anchors are copied straight into it from their home."""
+    out = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+    for part, param, anchor in zip(out.split(sizes(params)), params, anchors):
+        part.copy_(anchor.reshape(-1), non_blocking=True).sub_(param.detach().reshape(-1))
+    return out
+
+
+def _snapshot(kept: torch.Tensor | None, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` now, in float32 at the anchors' home (`kept` reused where it fits): on a GPU the copies are queued on
+    the current stream, which every later read of the snapshot follows."""
+    total = sum(t.numel() for t in tensors)
+    if kept is None or kept.numel() != total:
+        home = anchor_home(tensors[0].device)
+        pinned = home is not None
+        kept = torch.empty(total, dtype=torch.float32, device=home or tensors[0].device, pin_memory=pinned)
+    for part, tensor in zip(kept.split(sizes(tensors)), tensors):
+        part.copy_(tensor.detach().reshape(-1), non_blocking=True)
+    return kept
 
 
 def anchor_home(device: torch.device) -> torch.device | None:
