@@ -35,7 +35,7 @@ def test_a_sync_of_a_billion_parameters_holds_four_bytes_each_beside_the_model(d
     inner = torch.optim.SGD(model.parameters(), lr=1e-4)
     sync = OuterSync(model.parameters(), sync_every=2, outer_optimizer="nesterov", sync_overlap=overlap)
     extra = []
-    for step in range(1, 7):
+    for _ in range(6):
         x = torch.randn(4, WIDTH, device=device, dtype=torch.bfloat16)
         inner.zero_grad()
         model(x).float().square().mean().backward()
