@@ -144,6 +144,13 @@ def test_sync_every_with_a_warmup_under_every_ddp_setting_has_one_owner_per_grou
                 assert len({r[setting]["replica"] for r in ranks if r["node"] == node}) == 1, (setting, node)
         else:  # every worker its own replica: the parameters between syncs differ
             assert len({r[setting]["replica"] for r in ranks}) == 4, setting
+    # Communicators per GPU (docs/communication.md): the engine's copy of the job's group, the hierarchy's in-node,
+    # gathering and cross-node groups, and the node's group SyncBatchNorm(scope="node") asked for; each built once for
+    # all five models.
+    for r in ranks:
+        node = [0, 1] if r["node"] == "0" else [2, 3]
+        other = [ranks.index(r) % 2, ranks.index(r) % 2 + 2]
+        assert sorted(r["groups"]) == sorted([[0, 1, 2, 3], node, node, other, node]), r["groups"]
 
 
 @pytest.mark.multiprocess

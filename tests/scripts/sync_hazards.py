@@ -3,7 +3,7 @@
 Run under `trainaccel run` with sync options (e.g. `--sync-every 4 --sync-scope node --sync-warmup 6`) on 2 emulated
 nodes x 2 workers, with TRAINACCEL_CHECK_OWNERS=1; each rank writes OUT_DIR/rank{r}.json: per setting, a digest of
 its parameters (equal within a node under node scope) and of what state_dict() returns (the synced model, equal on
-every rank). Settings: a branch unused on some steps (find_unused_parameters), SyncBatchNorm's collectives over every
+every rank), and the groups it joined. Settings: a branch unused on some steps (find_unused_parameters), SyncBatchNorm's collectives over every
 worker and over the node's workers, two DDP models, static_graph.
 """
 
@@ -90,7 +90,20 @@ def train(setting: str, rank: int) -> dict:
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+joined = []  # the process groups built after the script's own that this rank is a member of: its communicators
+new_group = dist.new_group
+
+
+def counting(ranks=None, *args, **kwargs):
+    group = new_group(ranks, *args, **kwargs)
+    if rank in (ranks or range(dist.get_world_size())):
+        joined.append(sorted(ranks or range(dist.get_world_size())))
+    return group
+
+
+dist.new_group = counting
 result = {"node": os.environ.get("GROUP_RANK"), **{s: train(s, rank) for s in sys.argv[2].split(",")}}
+result["groups"] = joined
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 dist.destroy_process_group()
