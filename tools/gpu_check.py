@@ -46,10 +46,11 @@ DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/k
 EXIT_FAILED, EXIT_NO_GPU, EXIT_SETUP, EXIT_USAGE = 1, 2, 3, 64
 # The order they run in: the in-process suite, which a CPU machine also runs, last, so a short --budget cuts it
 # rather than a GPU figure.
-STAGES = ("env", "gpu-tests", "options", "replicas", "amp", "overlap", "resnet", "suite")
+STAGES = ("env", "gpu-tests", "multi-gpu", "options", "replicas", "amp", "overlap", "resnet", "suite")
 TITLES = {
     "env": "a. environment",
     "gpu-tests": "a. pytest -m gpu",
+    "multi-gpu": "g. several GPUs over NCCL",
     "suite": "a. in-process suite",
     "options": "b. every option, world 1 (NCCL)",
     "replicas": "c. replicas, 2 nodes x 2 workers (Gloo, one GPU)",
@@ -57,10 +58,11 @@ TITLES = {
     "resnet": "e. ResNet-50 step time",
     "overlap": "f. communication overlap",
 }
-DISPLAY_ORDER = ["env", "gpu-tests", "suite", "options", "replicas", "amp", "resnet", "overlap"]
+DISPLAY_ORDER = ["env", "gpu-tests", "suite", "options", "replicas", "amp", "resnet", "overlap", "multi-gpu"]
 TIMEOUTS = {  # seconds: each stage's own limit, cut to what is left of --budget
     "env": 90,
     "gpu-tests": 240,  # the lost-replica jobs start 3 nodes of workers, twice
+    "multi-gpu": 300,
     "options": 240,
     "replicas": 180,
     "amp": 90,
@@ -69,7 +71,13 @@ TIMEOUTS = {  # seconds: each stage's own limit, cut to what is left of --budget
     "resnet": 240,
 }
 # Which dependency each stage needs beyond torch (and numpy, which trainaccel.init() imports).
-NEEDS = {"gpu-tests": ("pytest",), "suite": ("pytest",), "overlap": ("rich",), "resnet": ("rich",)}
+NEEDS = {
+    "gpu-tests": ("pytest",),
+    "multi-gpu": ("pytest",),
+    "suite": ("pytest",),
+    "overlap": ("rich",),
+    "resnet": ("rich",),
+}
 DEPENDENCIES = {  # module -> what it is for
     "torch": "required",
     "numpy": "required by trainaccel (checkpoints)",
@@ -390,7 +398,29 @@ class Pass:
         return {"status": status, "summary": summary, "details": result}
 
     def stage_gpu_tests(self, timeout: float) -> dict:
-        return self.pytest("gpu-tests", "gpu", timeout, {"GPU_TESTS_ON_CPU": "1"} if self.cpu else None)
+        return self.pytest(
+            "gpu-tests", "gpu and not many_gpus", timeout, {"GPU_TESTS_ON_CPU": "1"} if self.cpu else None
+        )
+
+    def stage_multi_gpu(self, timeout: float) -> dict:
+        gpus = 0 if self.cpu else self.gpu_count()
+        if gpus < 2:
+            return {
+                "status": "skipped",
+                "summary": f"needs two or more GPUs, found {gpus}: the other stages ran on one",
+            }
+        return self.pytest("multi-gpu", "many_gpus", timeout)
+
+    def gpu_count(self) -> int:
+        """The GPUs a worker process sees (asked of a child: this process does not import torch)."""
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=120,
+        )
+        return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
 
     def stage_suite(self, timeout: float) -> dict:
         return self.pytest("suite", "not multiprocess and not gpu", timeout)

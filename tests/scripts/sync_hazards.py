@@ -3,7 +3,8 @@
 Run under `trainaccel run` with sync options (e.g. `--sync-every 4 --sync-scope node --sync-warmup 6`) on 2 emulated
 nodes x 2 workers, with TRAINACCEL_CHECK_OWNERS=1; each rank writes OUT_DIR/rank{r}.json: per setting, a digest of
 its parameters (equal within a node under node scope) and of what state_dict() returns (the synced model, equal on
-every rank), and the groups it joined. Settings: a branch unused on some steps (find_unused_parameters), SyncBatchNorm's collectives over every
+every rank), and the groups it joined. With TEST_DEVICE=cuda each worker trains on its own GPU over NCCL
+(tests/gpu/test_cuda_many_gpus.py). Settings: a branch unused on some steps (find_unused_parameters), SyncBatchNorm's collectives over every
 worker and over the node's workers, two DDP models, static_graph.
 """
 
@@ -18,6 +19,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 STEPS = 24
+CUDA = os.environ.get("TEST_DEVICE") == "cuda"
+# Emulated nodes share one machine's GPUs: each worker takes the GPU of its global rank.
+DEVICE = torch.device("cuda", int(os.environ["RANK"]) % torch.cuda.device_count()) if CUDA else torch.device("cpu")
 SETTINGS = ["find_unused", "sync_bn_global", "sync_bn_node", "two_models", "static_graph"]
 
 
@@ -60,14 +64,14 @@ class Net(nn.Module):
 
 def wrap(setting: str, seed: int) -> DDP:
     torch.manual_seed(seed)
-    module = Net(setting)
+    module = Net(setting).to(DEVICE)
     return DDP(module, find_unused_parameters=setting == "find_unused", static_graph=setting == "static_graph")
 
 
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -76,7 +80,7 @@ def train(setting: str, rank: int) -> dict:
     optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(STEPS):
-        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+        x, y = torch.randn(8, 12, generator=g).to(DEVICE), torch.randn(8, 4, generator=g).to(DEVICE)
         loss = sum(nn.functional.mse_loss(m(x, step), y) for m in models)
         optimizer.zero_grad()
         loss.backward()
@@ -88,7 +92,9 @@ def train(setting: str, rank: int) -> dict:
     }
 
 
-dist.init_process_group("gloo")
+if CUDA:
+    torch.cuda.set_device(DEVICE)
+dist.init_process_group("nccl" if CUDA else "gloo")
 rank = dist.get_rank()
 joined = []  # the process groups built after the script's own that this rank is a member of: its communicators
 new_group = dist.new_group
