@@ -96,12 +96,25 @@ def _in_c10d_thread(fn) -> BaseException | None:
     return caught[0] if caught else None
 
 
-def test_callbacks_of_a_waiting_owner_may_issue_a_python_thread_may_not(checked):
-    dist.all_reduce(torch.ones(2))
-    with owners.lent():  # as torch's PowerSGD hook waits on its chain of allreduces
-        assert _in_c10d_thread(lambda: dist.all_reduce(torch.ones(2))) is None
-        assert isinstance(_in_thread(lambda: dist.all_reduce(torch.ones(2))), owners.SecondOwner)
-    assert isinstance(_in_c10d_thread(lambda: dist.all_reduce(torch.ones(2))), owners.SecondOwner)  # not lent
+def test_callbacks_of_a_waiting_job_may_issue_a_python_thread_may_not(checked):
+    """torch's PowerSGD hook, run as a job, chains its allreduces through c10d callbacks on Gloo's own thread."""
+    from trainaccel.comm.scheduler import comm_thread
+
+    group = dist.new_group([0])
+
+    def job() -> list:
+        dist.all_reduce(torch.ones(2), group=group)
+        seen = []
+        with owners.lent():  # as powersgd_reduce waits on the hook's chain
+            seen.append(_in_c10d_thread(lambda: dist.all_reduce(torch.ones(2), group=group)))
+            seen.append(_in_thread(lambda: dist.all_reduce(torch.ones(2), group=group)))
+        seen.append(_in_c10d_thread(lambda: dist.all_reduce(torch.ones(2), group=group)))  # not lent
+        return seen
+
+    lent, python_thread, unlent = comm_thread().submit(job).wait()
+    assert lent is None
+    assert isinstance(python_thread, owners.SecondOwner)
+    assert isinstance(unlent, owners.SecondOwner) and "while jobs it queued" in str(unlent)
 
 
 def test_shutdown_removes_the_check(checked):

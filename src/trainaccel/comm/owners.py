@@ -7,7 +7,9 @@ from one thread directly, or from jobs that thread queued on the engine's commun
 first thread to order a group owns it. It fails at once when another thread issues on the group, or queues jobs that
 do, or when the owner issues directly on it while jobs it queued are not known to be done (it must wait for them
 first: `drained`). Collectives torch issues from C++ (DDP's unused-parameter map) are noted where the engine's hooks
-see them (`note`). A job that waits on a chain of c10d futures (torch's PowerSGD hook issues its next collective from
+see them (`note`). A thread torch started in C++ (autograd's device threads, which run DDP's hooks on a GPU) counts as
+the main thread, which waits in backward() meanwhile, as on the CPU, where backward runs on the caller's thread. A job
+that waits on a chain of c10d futures (torch's PowerSGD hook issues its next collective from
 the previous one's callback, on Gloo's own thread) lends its place to those callbacks (`lent`). `shutdown()` removes
 the check.
 """
@@ -122,17 +124,28 @@ def install_if_wanted() -> None:
         install()
 
 
+def _origin() -> tuple[int, str]:
+    """Whose order the calling thread's collectives and jobs follow: its own, or for a thread torch started in C++
+    (autograd's device threads run DDP's hooks and SyncBatchNorm's backward on a GPU) the main thread's, which waits
+    in backward() meanwhile: on the CPU, backward runs on the caller's thread itself."""
+    thread = threading.current_thread()
+    if isinstance(thread, threading._DummyThread):
+        main = threading.main_thread()
+        return (main.ident, main.name)
+    return (thread.ident, thread.name)
+
+
 def queued(job: Any) -> tuple[int, str]:
     """The calling thread queues `job` (its future) on the communication thread; returns who queued it."""
-    thread = threading.current_thread()
+    by = _origin()
     if _installed:
-        _queued[thread.ident] = job
-    return (thread.ident, thread.name)
+        _queued[by[0]] = job
+    return by
 
 
 def drained() -> None:
     """The calling thread waited for every job it queued: it may issue directly on their groups again."""
-    _queued.pop(threading.get_ident(), None)
+    _queued.pop(_origin()[0], None)
 
 
 def _still_queued(ident: int) -> bool:
@@ -175,7 +188,7 @@ def note(group: Any, what: str) -> None:
     if by is None and isinstance(thread, threading._DummyThread) and _lending:  # a c10d callback (see lent)
         by = next(iter(_lending.values()))
     if by is None:
-        by, job = (thread.ident, thread.name), False
+        by, job = _origin(), False
     with _lock:
         use = _uses.get(group)
         if use is None:
