@@ -211,8 +211,9 @@ dist.destroy_process_group()
     "options, env, probe",
     [
         ({}, {}, 0),
-        ({"sync_fragments": 2}, {}, 0),
-        ({}, {"TRAINACCEL_OUTER_COMPRESSION": "bf16"}, 0),
+        # Siblings of the defaults' path with the user's fragments or codec kept (the probe's run keeps fragments too).
+        pytest.param({"sync_fragments": 2}, {}, 0, marks=pytest.mark.comm_full),
+        pytest.param({}, {"TRAINACCEL_OUTER_COMPRESSION": "bf16"}, 0, marks=pytest.mark.comm_full),
         # The model (263,168 elements) over the probe's size: its first round times a probe, then syncs in the setting
         # chosen; over the whole group, and over the members present.
         ({"sync_fragments": 2}, {}, 100_000),

@@ -24,12 +24,13 @@ from trainaccel.config import Config, ConfigError
 
 @pytest.fixture(
     # (fp4 under rank scope goes through the same hierarchy across the 2 nodes as node/fp4/streaming's syncs; CI runs
-    # streaming under node scope, where it crosses nodes in two levels, and rank scope without it)
+    # streaming under node scope, where it crosses nodes in two levels, and rank scope without it; node scope without
+    # streaming also runs in tests/comm/test_one_owner.py, with a warm-up)
     scope="module",
     params=[
         "rank/none",
         pytest.param("rank/none/streaming", marks=pytest.mark.comm_full),
-        "node/none",
+        pytest.param("node/none", marks=pytest.mark.comm_full),
         "node/fp4/streaming",
     ],
 )

@@ -134,7 +134,7 @@ SETTINGS = ["find_unused", "sync_bn_global", "sync_bn_node", "two_models", "stat
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("scope", ["node", "rank"])
+@pytest.mark.parametrize("scope", ["node", pytest.param("rank", marks=pytest.mark.comm_full)])
 def test_sync_every_with_a_warmup_under_every_ddp_setting_has_one_owner_per_group(tmp_path, scope):
     """The case that aborted (node scope, a warm-up, an unused branch): the warm-up's averages went over DDP's own
     group from the engine's thread while DDP all-reduced its unused-parameter map there from the training thread."""

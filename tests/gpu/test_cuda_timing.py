@@ -1,7 +1,7 @@
 """Timing that means the transfer on a GPU: an exchange delayed on the communication stream is timed with the delay.
 
 A known delay (`torch.cuda._sleep`) queued on the stream that carries the exchange returns to the host at once: the
-host's clock around it would read about 0 s. auto's timed exchange must include it, as must the straggler wait.
+host's clock around it would read about 0 s. The marks auto, autotune and the straggler wait take must include it.
 """
 
 import time
@@ -35,22 +35,22 @@ def _cycles(device: torch.device, seconds: float) -> int:
     return int(10_000_000 * seconds / (start.elapsed_time(end) / 1000))
 
 
-def test_auto_times_an_exchange_by_the_stream_that_carries_it(thread, device, needs_cuda):
-    from trainaccel.comm.outer_sync import _Auto
-    from trainaccel.config import Config
-
+def test_an_exchange_on_the_communication_stream_is_timed_with_its_delay(thread, device, needs_cuda):
+    """As auto times each sync's exchange (`_Auto.timed`): marks on the job's stream, around work the host queues."""
     cycles = _cycles(device, DELAY_S)
-    auto = _Auto(Config(sync_every="auto"), 1000)
+    spans = []
 
     def exchange() -> torch.Tensor:  # a transfer the host only queues, as NCCL's is
+        start = clock.mark(device)
         torch.cuda._sleep(cycles)
+        spans.append((start, clock.mark(device)))
         return torch.ones(1, device=device)
 
     host = time.perf_counter()
-    thread.submit(auto.timed(exchange, device), device).wait()
+    thread.submit(exchange, device).wait()
     host = time.perf_counter() - host
     assert host < DELAY_S / 2, f"the host waited {host:.3f} s: the stand-in transfer was not queued"
-    assert auto.take_exchanged(wait=True) >= 0.8 * DELAY_S
+    assert clock.seconds(*spans[0], wait=True) >= 0.8 * DELAY_S
 
 
 def test_a_span_still_running_on_the_device_is_read_later(device, needs_cuda):
