@@ -892,3 +892,20 @@ def test_a_checkpoint_during_an_overlapped_sync_keeps_the_residual_from_before_i
     assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
     _step(model, inner, 7)  # applied: the live residual is the sync's, and a checkpoint now saves it
     assert torch.equal(diloco.state_dict()["residuals"]["diloco/0"], diloco.outer._feedback.residuals["diloco/0"])
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_sync_averages_the_replicas_and_leaves_the_anchors_and_the_outer_state_as_they_were(outer):
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = DiLoCo(model, inner, sync_every=3, outer_optimizer=outer)
+    for i in range(1, 6):  # a regular sync at step 3, then two steps of the replica's own
+        _step(model, inner, i)
+    anchors = [a.clone() for f in diloco.outer._fragments for a in f.anchors]
+    outer_state = copy.deepcopy(diloco.state_dict()["outer"])
+    live = _live(model)
+    diloco.sync()  # one replica: the mean is the replica itself (anchor - (anchor - p): p to a rounding)
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(_live(model), live))
+    assert all(torch.equal(a, b) for a, b in zip((a for f in diloco.outer._fragments for a in f.anchors), anchors))
+    assert repr(diloco.state_dict()["outer"]) == repr(outer_state)

@@ -743,7 +743,7 @@ class OuterSync:
             then = snapshot.split(sizes(tensors)) if snapshot is not None else [None] * len(tensors)
             for i, (tensor, value, before) in enumerate(zip(tensors, values, then)):
                 if not outer and i < len(fragment.params):  # sync(): the replicas' mean, the anchor untouched
-                    value = value.to(mean.device, non_blocking=True).sub_(means[i].view_as(value))
+                    value = value.to(mean.device, non_blocking=True) - means[i].view_as(value)  # (a new tensor)
                 if before is None:  # from pinned host memory, in the stream's order: the host does not wait
                     tensor.copy_(value.view_as(tensor), non_blocking=True)
                 else:
