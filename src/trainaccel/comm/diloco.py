@@ -33,10 +33,9 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel import context
-from trainaccel.comm import owners
 from trainaccel.comm.auto_setting import Broadcast
 from trainaccel.comm.outer_sync import OuterSync, resolve
-from trainaccel.comm.scheduler import comm_thread, engine_group, finish_queued_jobs
+from trainaccel.comm.scheduler import before_ddp_unused_map, comm_thread, engine_group, finish_queued_jobs
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
@@ -635,8 +634,11 @@ def _refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str) -> N
                 "step, which would wait for a lost node forever; build it with static_graph=True (the map is found "
                 "once) or use sync_scope=rank"
             )
-    rank = dist.get_rank()
-    replica = set(discover().nodes[discover().node_index]) if scope == "node" else {rank}
+    if scope == "node":
+        topology = discover()
+        replica = set(topology.nodes[topology.node_index])
+    else:
+        replica = {dist.get_rank()}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.SyncBatchNorm):
             group = module.process_group
@@ -699,9 +701,7 @@ def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the an
 
     fut = comm_thread().submit(average, tensor.device)
     if bucket.is_last() and state.ddp_group is not None:
-        fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
-        owners.drained()  # jobs run in order: this thread's are all done
-        owners.note(state.ddp_group, "DDP's unused-parameter map")
+        before_ddp_unused_map(fut, state.ddp_group)
     return fut
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainaccel.comm import clock, owners
+from trainaccel.comm import clock
 from trainaccel.comm.buckets import LOCAL_STORES, Signature, bucket_stores, follow_bucket, holds_state_for
 from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.comm.exchange import EXACT, NOT_FINITE, all_finite, all_gather_single, say_fallback, start_exchange
@@ -15,7 +15,7 @@ from trainaccel.comm.exit_guard import track
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.momentum import MovedMomentum, bucket_velocity
 from trainaccel.comm.powersgd import PowerSGDState, forget_bucket, powersgd_reduce
-from trainaccel.comm.scheduler import comm_thread
+from trainaccel.comm.scheduler import before_ddp_unused_map, comm_thread
 from trainaccel.context import log, warn_once
 from trainaccel.devices import backend_of
 from trainaccel.monitor import timeline
@@ -187,9 +187,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     else:
         fut = comm_thread().submit(job if state.nan_check == "off" else checked_job, buffer.device)
     if bucket.is_last() and state.ddp_collective_after_last:
-        fut.wait()  # DDP's finalize would wait for it next anyway; a failed job raises here, in backward
-        owners.drained()  # jobs run in order: this thread's are all done
-        owners.note(state.process_group, "DDP's unused-parameter map")
+        before_ddp_unused_map(fut, state.process_group)
     if state.comm_wait is not None:
         fut = fut.then(track(state.comm_wait.mark_done))
     if state.nan_check == "off" or not realign:

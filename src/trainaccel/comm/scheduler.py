@@ -171,6 +171,16 @@ def stop_comm_thread() -> None:
         _thread = None
 
 
+def before_ddp_unused_map(last_job: torch.futures.Future, ddp_group: dist.ProcessGroup | None) -> None:
+    """At a step's last bucket, under find_unused_parameters: wait for `last_job` (jobs run in order, so for every
+    job this thread queued) before DDP all-reduces its unused-parameter map on `ddp_group` from this thread, so that
+    every rank issues the engine's collectives and DDP's in one order. DDP's finalize would wait for the job next
+    anyway; a failed job raises here, in backward."""
+    last_job.wait()
+    owners.drained()
+    owners.note(ddp_group, "DDP's unused-parameter map")
+
+
 # DDP group -> the engine's copy of it (same ranks, its own communicator).
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
