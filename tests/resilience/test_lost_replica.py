@@ -118,6 +118,8 @@ def test_the_others_train_on_without_a_lost_replica_and_end_equal(tmp_path, how)
     assert "goes on with 2 of 3 replicas, without rank 2" in said, said[-3000:]
     assert "each step now reads the batches of 2 workers, not 3, unless the script draws its global batch" in said
     assert "ending rank 0" not in said and "ending rank 1" not in said
+    if how != "horovod":
+        assert said.count("holding a lost replica's process instead of shutting them down") == 2, said[-3000:]
     if how == "kill":
         for result in (first, second):
             assert result["refused"].startswith(
@@ -185,6 +187,8 @@ def test_under_node_scope_a_node_started_again_rejoins_whole_and_every_replica_e
         "; rank 5: its node's replica is lost with rank 4; each step now reads the batches of 4 workers, not 6" in said
     )
     assert "join@40: rank(s) 4, 5 rejoin the 2 replicas" in said, said[-3000:]
+    # destroy_process_group() aborts the groups holding node 2's first start (NCCL's shutdown would wait on it)
+    assert said.count("process group(s) holding a lost replica's process instead of shutting them down") == 4, said
     assert outputs[2].count("this process rejoins it") == 2, outputs[2][-3000:]
     assert_split(results, "before", 6)  # node 2's second start: its workers' parts, from the job's split
     assert_split(results, "after", 6)  # every node back: the job's split again

@@ -144,8 +144,10 @@ split["after"] = list(sampler)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 if how == "zero_code" or NODE_SCOPE:
     diloco = observer_of(model).diloco
+present = diloco.members if how == "horovod" else members(model)  # (the public form, for a script's own use)
+if how != "horovod":  # (hvd.shutdown() destroys it at exit)
+    dist.destroy_process_group()  # after a loss: the groups holding the lost process are aborted, not shut down
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    present = diloco.members if how == "horovod" else members(model)  # (the public form, for a script's own use)
     result = {"members": present, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
     result["scope"] = diloco.outer.scope
     result["live"], result["momentum_at_join"] = live, momentum.get("at_join")

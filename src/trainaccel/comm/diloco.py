@@ -40,7 +40,7 @@ from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
 from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
-from trainaccel.resilience import failfast
+from trainaccel.resilience import failfast, membership
 
 # What the one-time warning says each scope was measured to cost (docs/BENCHMARKS.md: 300 steps, AdamW, 2 nodes x 2).
 _MEASURED = {
@@ -893,6 +893,8 @@ def _draining_first(destroy: Any) -> Any:
             for _, diloco in sorted(_live.items()):
                 diloco.outer.drain()  # syncs in flight, which every rank started: applied before their group goes
             finish_queued_jobs()  # those of a model already dropped, and auto's figures, while their group lives
+            if membership.abort_groups_holding_lost() and not dist.is_initialized():
+                return None  # every group aborted: a lost peer's communicators would make a shutdown wait on it
         return destroy(group)
 
     return destroy_process_group

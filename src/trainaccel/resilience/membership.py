@@ -26,11 +26,13 @@ its workers' per-step group built from the store at their join. The store itself
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import json
 import logging
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -65,6 +67,11 @@ LOOK_S = 0.5
 
 
 _latest: list[list[int]] = []  # the members of the Membership that changed last: [ranks] ([]: none in this process)
+# torch's process groups that hold a process the members went on without (the default group, the engine's copies of
+# it, the hierarchy's groups of the lost node...), and the members' own groups of earlier memberships that held one.
+# On NCCL a communicator with a dead peer must be aborted: a shutdown (destroy_process_group) waits on the peer.
+_holding_lost: weakref.WeakSet = weakref.WeakSet()
+_retired: list[dist.ProcessGroup] = []  # the members' own groups that held a lost process: aborted at the end
 
 
 def live_ranks() -> list[int] | None:
@@ -164,8 +171,9 @@ class Membership:
             except Exception as e:  # a member lost mid-exchange: Gloo's connection closed, or a timeout
                 log.info("sync %s: the exchange failed on rank %d (%s: %s)", name, self.rank, type(e).__name__, e)
                 result, ok, error = None, False, f"{type(e).__name__}: {e}"
-                # Dropped, the group closes its connections: members still waiting in the same collective for this
+                # Aborted, the group closes its connections: members still waiting in the same collective for this
                 # one fail at once, instead of at the group's timeout, and come to the vote.
+                _abort(self.group)
                 self.group = None
             if self._vote(name, ok, patience):
                 self._forget([f"{sync}.{a}" for a in range(attempt + 1)])
@@ -200,6 +208,7 @@ class Membership:
                 len(members),
                 len(self.members),
             )
+            _note_lost(gone, self.group)
             lost = ", ".join(map(str, gone))
             refuse_script_collectives(f"it holds rank {lost}, which the replicas went on without at sync {name}")
         return members
@@ -404,3 +413,57 @@ class Membership:
         for device in ("cpu", "cuda"):  # Gloo takes CUDA tensors too (through host memory)
             group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
         return group
+
+
+# -- groups that hold a lost process -------------------------------------------------------------------------------
+
+
+def _note_lost(gone: list[int], own: dist.ProcessGroup | None) -> None:
+    """The members went on without `gone` (global ranks): every group that holds one of them, torch's and the members'
+    last one (`own`), is never used again and is aborted at the end (`abort_groups_holding_lost`)."""
+    world = distributed_c10d._world  # torch's registry of process groups: {group: {global rank: group rank}}
+    for group, ranks in list(world.pg_group_ranks.items()):
+        if isinstance(group, dist.ProcessGroup) and set(ranks) & set(gone):  # (non-members' groups are numbers)
+            _holding_lost.add(group)
+    if own is not None and own not in world.pg_group_ranks:  # (the members' first group is the engine's, torch's)
+        _retired.append(own)
+    if context.first_time("groups holding a lost process aborted at exit"):
+        # A script that ends without destroy_process_group(): its groups go at interpreter exit, aborted first here.
+        atexit.register(abort_groups_holding_lost)
+        context.on_undo("groups holding a lost process aborted at exit", _forget_lost_groups)
+
+
+def _forget_lost_groups() -> None:
+    atexit.unregister(abort_groups_holding_lost)
+    _holding_lost.clear()
+    _retired.clear()
+
+
+def _abort(group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        try:
+            group.abort()
+        except Exception as e:  # (already aborted, or its backend cannot): the process goes on to its end
+            log.debug("aborting a members' group: %s: %s", type(e).__name__, e)
+
+
+def abort_groups_holding_lost() -> int:
+    """Before the default group is destroyed (and at exit): abort every process group that holds a process the
+    members went on without, rather than shut it down (NCCL's shutdown waits on a dead peer); the default group holds
+    every rank, so then every group of torch's registry is aborted. Returns how many groups were aborted."""
+    aborted = 0
+    while _retired:
+        _abort(_retired.pop())
+        aborted += 1
+    if not dist.is_initialized() or not any(g in _holding_lost for g in distributed_c10d._world.pg_group_ranks):
+        return aborted
+    held = len(distributed_c10d._world.pg_group_ranks)
+    distributed_c10d._abort_process_group(None)  # every group at once, in one NCCL group call: none waits on another
+    aborted += held
+    _holding_lost.clear()
+    log.info(
+        "aborted %d process group(s) holding a lost replica's process instead of shutting them down (a shutdown waits "
+        "on the lost peer)",
+        aborted,
+    )
+    return aborted
