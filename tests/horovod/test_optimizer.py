@@ -237,3 +237,56 @@ def test_an_fp16_scale_the_horovod_optimizer_cannot_apply_is_refused(monkeypatch
         optimizer._launch_options(optimizer.Compression.none, None)
     monkeypatch.setattr(optimizer, "current_config", lambda: Config.resolve(compression="fp16"))
     assert optimizer._launch_options(optimizer.Compression.none, None) == (optimizer.Compression.fp16, None)
+
+
+RESPONSE_CACHE = """
+import json, sys
+from pathlib import Path
+import torch
+from torch import nn
+import trainaccel.horovod as hvd
+from trainaccel.horovod import negotiation
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+rounds = []
+for step in range(6):
+    opt.zero_grad()
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    rounds.append([negotiation.exchanges(0), negotiation.cache_hits(0)])
+for _ in range(2):  # kept once agreed
+    hvd.allreduce(torch.ones(3), name="metric")
+try:  # the same name, another shape on rank 1: not the kept one, so the descriptors are gathered and compared
+    hvd.allreduce(torch.ones(3 + rank), name="metric")
+    error = None
+except RuntimeError as e:
+    error = str(e)
+params = [p.detach().flatten().tolist() for p in model.parameters()]
+hvd.shutdown()
+Path(sys.argv[1], f"rank{rank}.json").write_text(
+    json.dumps({"failures": [], "rounds": rounds, "error": error, "params": params})
+)
+"""
+
+
+def test_descriptors_agreed_once_are_kept_and_later_exchanges_send_a_number(tmp_path):
+    """Horovod's response cache: from the second step on, each bucket's exchange is one all-reduce of 16 bytes,
+    not every worker's descriptor; a call that differs from the kept one is still compared and refused alike."""
+    script = tmp_path / "response_cache.py"
+    script.write_text(RESPONSE_CACHE)
+    ranks = run_checks(script, tmp_path, 3)
+    for r in ranks:
+        (first_rounds, first_hits), *later = r["rounds"]
+        assert first_hits == 0 and first_rounds > 0
+        rounds, hits = later[-1]
+        assert hits > 0 and rounds - first_rounds == hits, r["rounds"]  # every later exchange settled by its number
+        assert (
+            r["error"]
+            == "allreduce 'metric': tensor shapes differ across ranks (rank 0 (3,), rank 1 (4,), rank 2 (5,))"
+        )
+    assert ranks[0]["params"] == ranks[1]["params"] == ranks[2]["params"]

@@ -10,6 +10,12 @@ Operations are matched in call order, except that an asynchronous operation with
 name which meets a different operation elsewhere is parked, as Horovod's coordinator would
 leave it pending: this worker goes on, the others retry their operation, and the parked one
 starts in the exchange where every worker has it parked or is calling it.
+
+As Horovod's response cache: a descriptor every worker agreed on is kept, numbered alike on
+every worker (at most CACHE_SIZE). Each exchange first all-reduces that number (0: not kept,
+or something parked): where every worker calls the same kept one, that is the whole exchange,
+16 bytes however many workers (DistributedOptimizer's buckets, every step after the first);
+otherwise the descriptors are gathered as above.
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ def pack_op(op: int, fused_buffers: int = 1) -> int:
 
 
 _rounds: dict[int, int] = {}  # exchanges so far per process set id: the same count on every member
+CACHE_SIZE = 1024  # descriptors kept per process set (Horovod's default cache capacity)
+# per process set id: {descriptor's bytes (without the parking fields): (its number, every worker's descriptor)}
+_cache: dict[int, dict[bytes, tuple[int, torch.Tensor]]] = {}
+_hits: dict[int, int] = {}  # exchanges per process set id that a kept descriptor settled (for tests)
 
 
 class Operation:
@@ -99,7 +109,14 @@ _parked: dict[int, list[Operation]] = {}  # per process set, in the order they w
 def reset() -> None:
     _rounds.clear()
     _parked.clear()
+    _cache.clear()
+    _hits.clear()
     background.reset()
+
+
+def cache_hits(set_id: int = 0) -> int:
+    """How many exchanges of the process set a kept descriptor settled (16 bytes each, not every worker's)."""
+    return _hits.get(set_id, 0)
 
 
 def exchanges(set_id: int) -> int:
@@ -123,6 +140,34 @@ def describe(kind: str, tensor: torch.Tensor, extra: int = 0, name: str | None =
     return torch.tensor(
         [KINDS[kind], DTYPES.index(tensor.dtype), tensor.dim(), extra, *shape, name_key(name), 0, 0], dtype=torch.int64
     )
+
+
+def _kept(mine: torch.Tensor | None, group: dist.ProcessGroup | None, set_id: int) -> torch.Tensor | None:
+    """Every worker's descriptor, where every worker calls the one kept under the same number (else None, alike on
+    every worker: then they gather descriptors). `mine` None, or with operations parked here: never kept."""
+    kept = _cache.get(set_id, {}).get(_body(mine)) if mine is not None and int(mine[PARKED]) == 0 else None
+    number = kept[0] if kept is not None else 0
+    background.drain()  # the optimizer's exchanges submitted so far come first, as on one thread
+    probe = torch.tensor([number, -number], dtype=torch.int64, device=group_device(group))
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    _rounds[set_id] = _rounds.get(set_id, 0) + 1
+    most, least = probe[0].item(), -probe[1].item()
+    if number == 0 or most != least:
+        return None
+    _hits[set_id] = _hits.get(set_id, 0) + 1
+    return kept[1].clone()
+
+
+def _keep(everyone: torch.Tensor, set_id: int) -> None:
+    """Keep descriptors every worker sent alike (nothing parked): the same number on every worker."""
+    cache = _cache.setdefault(set_id, {})
+    first = everyone[0]
+    if len(cache) < CACHE_SIZE and int(first[PARKED]) == 0 and bool((everyone == first).all()):
+        cache.setdefault(_body(first), (len(cache) + 1, everyone.clone()))
+
+
+def _body(descriptor: torch.Tensor) -> bytes:
+    return descriptor[:PARKABLE].numpy().tobytes() + descriptor[PARKABLE + 1 :].numpy().tobytes()
 
 
 def _gather(mine: torch.Tensor, group: dist.ProcessGroup | None, set_id: int) -> torch.Tensor:
@@ -216,6 +261,9 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
     while True:
         mine = op.descriptor.clone()
         mine[PARKABLE], mine[PARKED] = int(parkable), len(waiting)
+        everyone = _kept(mine, group, op.set_id)
+        if everyone is not None:
+            return everyone  # every worker calls this very operation, which they agreed on before
         everyone = _gather(mine, group, op.set_id)
         rows = list(range(everyone.shape[0]))
         joined = [r for r in rows if int(everyone[r, 0]) == KINDS["join"]]
@@ -264,6 +312,7 @@ def _settle(op: Operation, parkable: bool) -> torch.Tensor | None:
             error = mismatch(everyone, rows, op.label, first_dim_may_differ=op.first_dim_may_differ, ranks=ranks)
             if error:
                 raise RuntimeError(error)
+            _keep(everyone, op.set_id)
             return everyone
         if may_wait and not _one_name_two_kinds(everyone):
             if parkable:
@@ -316,6 +365,7 @@ def join(device: torch.device) -> int:
     """
     joined_at = exchanges(0)
     while True:
+        _kept(None, None, 0)  # the others' first step of each exchange (a join's is never kept)
         everyone = _gather(describe("join", torch.zeros(1, dtype=torch.int64), joined_at), None, 0)
         active = [r for r in range(everyone.shape[0]) if int(everyone[r, 0]) != KINDS["join"]]
         if not active:
