@@ -117,6 +117,46 @@ def test_callbacks_of_a_waiting_job_may_issue_a_python_thread_may_not(checked):
     assert isinstance(unlent, owners.SecondOwner) and "while jobs it queued" in str(unlent)
 
 
+def test_a_sync_in_flight_holds_up_no_per_step_job_and_a_group_passes_between_threads_in_order(checked):
+    """DiLoCo's syncs run on a thread of their own: a per-step job on another group runs while a sync waits; a job
+    that declares a group the other thread issued on last runs after that thread's jobs; one that does not is caught."""
+    from trainaccel.comm.scheduler import comm_thread, sync_thread
+
+    per_step, synced = dist.new_group([0]), dist.new_group([0])
+    release, order = threading.Event(), []
+
+    def slow_sync() -> None:
+        release.wait(10)
+        dist.all_reduce(torch.ones(2), group=synced)
+        order.append("sync")
+
+    pending = sync_thread().submit(slow_sync, groups=(synced,))
+    step = comm_thread().submit(lambda: dist.all_reduce(torch.ones(2), group=per_step), groups=(per_step,))
+    step.wait()  # ran while the sync waits (on one thread it would wait 10 s, then fail below)
+    assert not pending.done()
+    # The sync's group, declared: this per-step job runs after the sync, on every rank alike.
+    after = comm_thread().submit(lambda: order.append("per-step") or dist.barrier(group=synced), groups=(synced,))
+    release.set()
+    after.wait()
+    assert order == ["sync", "per-step"]
+    # A sync runs after the per-step jobs submitted before it: the group passes back.
+    release.clear()
+    held = sync_thread().submit(lambda: release.wait(10) and dist.all_reduce(torch.ones(2), group=synced))
+    # Not declared, a per-step job on the syncs' group could run beside a sync: the check fails one of the two,
+    # whichever issues second.
+    undeclared = comm_thread().submit(lambda: dist.all_reduce(torch.ones(2), group=synced))
+    failed = []
+    for job in (undeclared, held):
+        release.set()
+        try:
+            job.wait()
+        except owners.SecondOwner as e:
+            failed.append(str(e))
+    assert len(failed) == 1 and "from two engine threads" in failed[0], failed
+    sync_thread().waited(held)  # every sync waited for: the training thread's next per-step job may take the group
+    comm_thread().run(lambda: dist.all_reduce(torch.ones(2), group=synced))
+
+
 def test_shutdown_removes_the_check(checked):
     import trainaccel
 
@@ -164,6 +204,15 @@ def test_sync_every_with_a_warmup_under_every_ddp_setting_has_one_owner_per_grou
         node = [0, 1] if r["node"] == "0" else [2, 3]
         other = [ranks.index(r) % 2, ranks.index(r) % 2 + 2]
         assert sorted(r["groups"]) == sorted([[0, 1, 2, 3], node, node, other, node]), r["groups"]
+    if scope == "node":  # the syncs on their own thread, over groups the per-step jobs never use
+        for r in ranks:
+            node = "[0, 1]" if r["node"] == "0" else "[2, 3]"
+            other = str([ranks.index(r) % 2, ranks.index(r) % 2 + 2])
+            jobs = [q for q in r["queues"] if q[1]]  # (the training thread's own groups have no engine thread)
+            sync, comm = "trainaccel-sync", "trainaccel-comm"
+            # the job's copy (warm-up and syncs), the node's sum (each step's average), gather and cross-node (syncs)
+            want = [["[0, 1, 2, 3]", sync], [node, comm], [node, sync], [other, sync]]
+            assert sorted(jobs) == sorted(want), (jobs, r["queues"])
 
 
 @pytest.mark.multiprocess

@@ -90,3 +90,16 @@ def test_a_sync_holds_at_most_its_fragments_float32_size_beside_the_model(option
     # From the second sync on: the first inner step makes the anchors, the first sync the outer momentum (kept).
     assert max(peaks[3:]) <= bound, ([p / (4 * params) for p in peaks], bound / (4 * params))
     assert max(peaks[3:]) >= 4 * fragment  # counted: the change itself
+
+
+@pytest.mark.parametrize("local_size", [2, 4, 8])
+def test_a_syncs_pieces_across_nodes_are_sized_for_the_link_whatever_the_nodes_width(local_size):
+    """Each worker sends SYNC_PIECE_MB per piece across nodes (its shard of a chunk): 4 MiB, not 4 MiB / the node's
+    workers; the chunk in flight, and so a sync's temporaries in the node, grow with the node's width."""
+    from trainaccel.comm.codecs import get_codec
+    from trainaccel.comm.topology import Topology
+
+    nodes = tuple(tuple(range(n * local_size, (n + 1) * local_size)) for n in range(2))
+    hierarchy = outer_sync._sync_hierarchy(Topology(0, 2 * local_size, nodes, 0), get_codec("none"), None)
+    assert hierarchy.chunk_mb / local_size == outer_sync.SYNC_PIECE_MB == 4.0
+    assert hierarchy.check is True  # every sync's sums are read for finiteness

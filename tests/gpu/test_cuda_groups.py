@@ -77,3 +77,20 @@ def test_the_wait_for_peers_is_timed_on_the_device(nccl_only):
     wait.mark_done(done)
     torch.cuda.synchronize()
     assert wait.take() > 0.001
+
+
+@pytest.mark.parametrize("options", [{"compression": "fp16"}, {"sync_every": 2, "sync_fragments": 2}])
+def test_the_engines_communicators_are_built_at_registration_not_in_backward(nccl_only, options):
+    """Built lazily at the first collective on an engine thread, a communicator's set-up could wait behind a kernel of
+    the training thread (scheduler.connect): they are built on the registering thread, before the first backward."""
+    from trainaccel.comm.scheduler import COMM, SYNC, engine_group
+
+    trainaccel.init(start_process_group=False, **options)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Net().to(nccl_only), device_ids=[nccl_only.index])
+    torch.optim.SGD(model.parameters(), lr=0.05)  # zero-code DiLoCo takes the model at its optimizer
+    x, _ = batches(nccl_only, 1)[0]
+    model(x)  # registration (the forward): no backward yet
+    group = engine_group(model.process_group, SYNC if "sync_every" in options else COMM)
+    assert group._get_backend(nccl_only)._is_initialized()

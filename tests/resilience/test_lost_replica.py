@@ -149,6 +149,8 @@ def test_under_node_scope_a_nodes_workers_are_lost_together_and_the_other_nodes_
     assert [r["scope"] for r in results] == ["node"] * 4
     assert [r["members"] for r in results] == [[0, 1, 2, 3]] * 4
     assert [r["syncs"] for r in results] == [6] * 4  # every sync of the 24 steps, none skipped
+    for r in results:  # in two levels over the nodes present: each worker sends its shard across, not the whole
+        assert r["sent_per_sync"] < 0.6 * r["model_bytes"], (r["sent_per_sync"], r["model_bytes"])
     assert all(r["params"] == results[0]["params"] for r in results)
     assert not (tmp_path / "rank4.json").exists() and not (tmp_path / "rank5.json").exists()
     assert [r["split"]["before"] for r in results] == [list(range(i, SAMPLES, 6)) for i in range(4)]
@@ -175,6 +177,8 @@ def test_under_node_scope_a_node_started_again_rejoins_whole_and_every_replica_e
     assert [r["members"] for r in results] == [[0, 1, 2, 3, 4, 5]] * 6
     assert [r["rejoined_at"] for r in results] == [0, 0, 0, 0, 40, 40]  # the round's end after both came
     assert [r["syncs"] for r in results] == [12] * 6  # the rejoined took the outer state's count
+    for r in results[:4]:  # in two levels over the nodes present, before the loss, after it and after the join
+        assert r["sent_per_sync"] < 0.6 * r["model_bytes"], (r["sent_per_sync"], r["model_bytes"])
     joined = results[0]["momentum_at_join"]  # rank 0's momentum as it sent it: the rejoined's optimizers start there
     assert joined is not None and results[4]["momentum_at_join"] == results[5]["momentum_at_join"] == joined
     assert all(r["params"] == results[0]["params"] for r in results)  # the last sync's mean, the same bits on all

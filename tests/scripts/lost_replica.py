@@ -150,5 +150,8 @@ if how != "horovod":  # (hvd.shutdown() destroys it at exit)
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     result = {"members": present, "syncs": diloco.syncs, "params": params.tolist(), "losses": losses}
     result["scope"] = diloco.outer.scope
+    # what crossed to this worker per sync, against the model's float32 bytes (flat: all of it; two levels: a shard)
+    result["sent_per_sync"] = diloco.bytes_sent / max(1, diloco.syncs)
+    result["model_bytes"] = 4 * sum(p.numel() for p in model.parameters())
     result["live"], result["momentum_at_join"] = live, momentum.get("at_join")
     json.dump({**result, "rejoined_at": start, "refused": refused, "split": split}, f)

@@ -110,6 +110,9 @@ def counting(ranks=None, *args, **kwargs):
 dist.new_group = counting
 result = {"node": os.environ.get("GROUP_RANK"), **{s: train(s, rank) for s in sys.argv[2].split(",")}}
 result["groups"] = joined
+# Which of the engine's threads issued each group's jobs (the check trainaccel run installed; nothing imported here).
+checked = sys.modules.get("trainaccel.comm.owners")
+result["queues"] = sorted([ranks, queue or ""] for _, ranks, _, queue in checked.owners()) if checked else None
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 dist.destroy_process_group()

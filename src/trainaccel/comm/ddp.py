@@ -17,7 +17,7 @@ from trainaccel.comm.exit_guard import guard_exit
 from trainaccel.comm.hierarchical import HierarchicalReduce
 from trainaccel.comm.hooks import CommState, CommWait, trainaccel_comm_hook
 from trainaccel.comm.powersgd import powersgd_state
-from trainaccel.comm.scheduler import engine_group
+from trainaccel.comm.scheduler import connect, engine_group
 from trainaccel.comm.topology import discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
@@ -74,6 +74,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
             candidate.state.observer = observer
             candidate.state.ddp_collective_after_last = map_after_last
         ddp_model.register_comm_hook(tuner, autotune_comm_hook)
+        connect(tuple(g for candidate in tuner.candidates for g in candidate.state.groups), device)
         observer.comm = tuner
         checkpoint.attach(observer)
         return tuner
@@ -91,6 +92,7 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
         guard_exit()  # Gloo's threads can still be finishing at exit: the same short wait as for our hook
     else:
         ddp_model.register_comm_hook(state, trainaccel_comm_hook)
+        connect(state.groups, device)  # the communicators the hook will use, built now on this thread
     observer.comm = state
     checkpoint.attach(observer)  # the model's state_dict() carries the engine's state; state loaded before applies
     return state

@@ -35,7 +35,15 @@ from torch.nn.parallel import DistributedDataParallel
 from trainaccel import context
 from trainaccel.comm.auto_setting import Broadcast
 from trainaccel.comm.outer_sync import OuterSync, resolve
-from trainaccel.comm.scheduler import before_ddp_unused_map, comm_thread, engine_group, finish_queued_jobs
+from trainaccel.comm.scheduler import (
+    COMM,
+    SYNC,
+    before_ddp_unused_map,
+    comm_thread,
+    engine_group,
+    finish_queued_jobs,
+    sync_thread,
+)
 from trainaccel.comm.topology import discover
 from trainaccel.config import Config
 from trainaccel.context import info_once, warn_once
@@ -140,7 +148,7 @@ class DiLoCo:
         if scope == "node":
             # Every worker during the warm-up, as plain DDP, over the engine's copy of DDP's group: DDP's own
             # collectives on its group come from the training thread (see _InNode).
-            self._in_node = _InNode(engine_group(self.group), model)
+            self._in_node = _InNode(engine_group(self.group, SYNC), model)
             self.outer.node_group()  # built now, on every rank (collective): the warm-up's end switches to it
             self._average_in_node(model, config.hierarchical)
         if self._ddp is not None and not self.outer.warmup:
@@ -481,11 +489,11 @@ class DiLoCo:
 
         def restore() -> None:
             model.require_backward_grad_sync, model.broadcast_buffers = before
-            if in_node is not None:
-                in_node.group = engine_group(self.group)  # the hook cannot be removed: every worker again
+            if in_node is not None:  # the hook cannot be removed: every worker again, as in the warm-up
+                in_node.group, in_node.queue = engine_group(self.group, SYNC), SYNC
 
-        if in_node is not None:
-            in_node.group = self.outer.node_group()
+        if in_node is not None:  # the node's workers, on the per-step thread: the syncs' thread may be busy
+            in_node.group, in_node.queue = self.outer.node_group(), COMM
         else:
             _keep_exchange_off(model, self._undo)
         model.broadcast_buffers = False
@@ -678,10 +686,12 @@ class _InNode:
     __slots__ = {
         "group": "the engine's group buckets are averaged over: every worker (the warm-up), then the node's workers",
         "ddp_group": "DDP's own group, on which its reducer all-reduces the unused-parameter map (or None)",
+        "queue": "the engine's thread the buckets' jobs run on: the syncs' in the warm-up (their group is the syncs' "
+        "flat one, and no sync runs meanwhile), then the per-step thread (a sync may take seconds)",
     }
 
     def __init__(self, group: Any, model: DistributedDataParallel):
-        self.group = group
+        self.group, self.queue = group, SYNC
         # DDP all-reduces its map of used parameters on its own group from the training thread, right after the last
         # bucket's hook (find_unused_parameters): that hook waits for its job first, so that every rank issues the
         # two in one order (NCCL may deadlock otherwise; Gloo aborts where they share a group).
@@ -690,18 +700,17 @@ class _InNode:
 
 
 def _average_in_group(state, bucket):  # noqa: ANN001, ANN202 (DDP checks the annotations, which are strings here)
-    """Average one DDP bucket over `state.group`, on the communication thread: every collective of the engine goes
-    out from that one thread, in one order on every rank (NCCL can deadlock when two threads of a rank launch on two
-    communicators in different orders across ranks)."""
+    """Average one DDP bucket over `state.group`, on the engine's thread `state.queue`: the group's collectives go out
+    from that one thread, in one order on every rank."""
     group, tensor = state.group, bucket.buffer()
 
     def average() -> torch.Tensor:
         dist.all_reduce(tensor.div_(dist.get_world_size(group)), group=group)
         return tensor
 
-    fut = comm_thread().submit(average, tensor.device)
+    fut = (sync_thread() if state.queue == SYNC else comm_thread()).submit(average, tensor.device, (group,))
     if bucket.is_last() and state.ddp_group is not None:
-        before_ddp_unused_map(fut, state.ddp_group)
+        before_ddp_unused_map(fut, state.ddp_group, state.queue)
     return fut
 
 

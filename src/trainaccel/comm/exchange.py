@@ -22,8 +22,17 @@ from trainaccel.context import log, warn_once
 from trainaccel.monitor import timeline
 
 # torch 2.13 renamed the tensor forms of these collectives; older releases have only the old names.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """torch's one-tensor all-gather, looked up at each call: the owners check's wrapper sees it too."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    """torch's one-tensor reduce-scatter, looked up at each call (as `all_gather_single`)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 EXACT = "exact"  # Outcome.fallback: the lossy sum was not finite; the exact one is
 NOT_FINITE = "not finite"  # ...and the exact sum is not finite either: the gradient itself is not

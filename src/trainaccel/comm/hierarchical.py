@@ -52,6 +52,12 @@ class _Step:
 class HierarchicalReduce:
     """Sums flat buffers over a multi-node job through the intra-node and inter-node groups."""
 
+    @property
+    def groups(self) -> tuple:
+        """The process groups it issues on (in the node: sum and gather; across nodes)."""
+        t = self.topology
+        return (t.intra_group, t.gather_group, t.inter_group)
+
     def __init__(
         self,
         topology: Topology,

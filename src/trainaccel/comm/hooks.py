@@ -100,6 +100,11 @@ class CommState:
     ddp_collective_after_last: bool = False
 
     @property
+    def groups(self) -> tuple:
+        """The groups a bucket's job issues on (a job of DiLoCo's syncs may have issued on them last)."""
+        return (self.group, *(self.hierarchy.groups if self.hierarchy is not None else ()))
+
+    @property
     def hierarchical(self) -> bool:
         return self.hierarchy is not None
 
@@ -185,7 +190,7 @@ def trainaccel_comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.fut
     if realign:
         fut = _realign(state, bucket, step)
     else:
-        fut = comm_thread().submit(job if state.nan_check == "off" else checked_job, buffer.device)
+        fut = comm_thread().submit(job if state.nan_check == "off" else checked_job, buffer.device, state.groups)
     if bucket.is_last() and state.ddp_collective_after_last:
         before_ddp_unused_map(fut, state.process_group)
     if state.comm_wait is not None:
@@ -256,7 +261,7 @@ def _realign(state: CommState, bucket: dist.GradBucket, step: int) -> torch.futu
             fut.set_result(held_buffer)
         return buffer
 
-    return comm_thread().submit(job, buffer.device)
+    return comm_thread().submit(job, buffer.device, state.groups)
 
 
 def _reduce_in_restored_buckets(state: CommState, entries: list, step: int) -> None:

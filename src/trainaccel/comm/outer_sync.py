@@ -38,8 +38,8 @@ from trainaccel.comm.auto_setting import interval_for  # noqa: F401 (its home be
 from trainaccel.comm.codecs import Codec, ErrorFeedback, get_codec
 from trainaccel.comm.exchange import start_exchange, warn_if_gathering_costs_more
 from trainaccel.comm.hierarchical import HierarchicalReduce
-from trainaccel.comm.scheduler import comm_thread, engine_group
-from trainaccel.comm.topology import discover, hierarchy_for
+from trainaccel.comm.scheduler import SYNC, connect, engine_group, sync_thread
+from trainaccel.comm.topology import Topology, discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, note_taken
 from trainaccel.devices import backend_of, broadcast_from_first, group_device
@@ -257,7 +257,7 @@ class OuterSync:
         self._auto = _Auto(config, elements) if self.sync_every == "auto" else None
         if self._auto is not None:  # the measuring round's syncs: full precision, no residual to carry past it
             self._codec, self._feedback = get_codec(auto_setting.MEASURING_CODEC), None
-        self._engine_group = engine_group(self.group)
+        self._engine_group = engine_group(self.group, SYNC)
         self.live_is_synced, self._synced_buffers = False, []
         self._equal_at: dict[int, tuple[int, int]] | None = None
         self._hierarchy: HierarchicalReduce | None = None
@@ -269,6 +269,7 @@ class OuterSync:
         if config.on_lost_replica == "continue":
             self._survive_lost_replicas(config)
         self.use_scope(scope, config.hierarchical)
+        connect(self._groups(), self.params[0].device)  # the syncs' communicators, built now on this thread
         if self._membership is not None and failfast.incarnation() > 0:
             self._rejoin()
         # The payloads are gathered across nodes only when the change goes in two levels.
@@ -279,22 +280,18 @@ class OuterSync:
         """Replicas per node (`node`: each node's workers hold one, its change crosses nodes once, a shard from each
         worker) or per rank (the change in two levels where `hierarchical` and the topology say so)."""
         self.scope = scope
-        if self._membership is not None:  # on_lost_replica=continue: flat, a node's workers lost together
+        if self._membership is not None:  # on_lost_replica=continue: a node's workers lost together
             self._membership.group_replicas(list(map(list, discover().nodes)) if scope == "node" else None)
-            if scope == "node":
-                info_once("on_lost_replica=continue: each of a node's workers syncs the whole change (no two levels)")
             return
         if scope == "node":
-            self._hierarchy = HierarchicalReduce(discover(), self._codec, self._feedback, check=True)
+            self._hierarchy = _sync_hierarchy(discover(), self._codec, self._feedback)
             return
         topology = hierarchy_for(self.group, hierarchical, True, "syncs reduce", self.params[0].device)
-        self._hierarchy = (
-            HierarchicalReduce(topology, self._codec, self._feedback, check=True) if topology is not None else None
-        )
+        self._hierarchy = _sync_hierarchy(topology, self._codec, self._feedback) if topology is not None else None
 
     def _survive_lost_replicas(self, config: Config) -> None:
-        """on_lost_replica=continue: the syncs run over the replicas present (`Membership`), flat (no two-level form);
-        a lost peer no longer ends this worker."""
+        """on_lost_replica=continue: the syncs run over the replicas present (`Membership`): under node scope in two
+        levels over the nodes present, else flat; a lost peer no longer ends this worker."""
         self._membership = Membership(self._engine_group, config.collective_timeout)
         failfast.survive_lost_peers()
         self._admit_at = -1
@@ -337,7 +334,7 @@ class OuterSync:
         joiners = self._membership.joiners_at(f"join@{self.steps}")
         if joiners:
             admit = functools.partial(self._membership.admit, f"join@{self.steps}", joiners, self._join_state)
-            comm_thread().submit(functools.partial(admit, self._hang_s())).wait()
+            sync_thread().run(functools.partial(admit, self._hang_s()), groups=self._groups())
 
     def node_group(self) -> dist.ProcessGroup | None:
         """Under node scope, the group this node's workers average gradients over at every step: the hierarchy's in-node
@@ -471,9 +468,10 @@ class OuterSync:
             slowest = functools.partial(self._membership.run, f"auto@{self.steps}", slowest_over, self._hang_s())
         else:
             slowest = functools.partial(slowest_over, group)
-        previous, self._measured = self._measured, comm_thread().submit(slowest, measured.device)
+        previous, self._measured = self._measured, sync_thread().submit(slowest, measured.device, self._groups())
         if auto.measuring:  # its syncs waited for their exchanges: nothing in flight, the ranks together
             step_s, least = self._measured.wait().tolist()
+            sync_thread().waited(self._measured)
             self._measured = None
             replicas = len(self.members)
             if self.scope == "node" and self._hierarchy is not None:
@@ -507,7 +505,7 @@ class OuterSync:
         change = torch.zeros(self._auto.probe, device=self.params[0].device)
         for tensor, timed in ((change[: auto_setting.PROBE_WARMUP], False), (change, True)):
             exchange = self._exchange("probe", tensor, None, f"probe@{self.steps}{'' if timed else '-first'}", timed)
-            self.bytes_sent += comm_thread().submit(exchange, change.device).wait()[2]
+            self.bytes_sent += sync_thread().run(exchange, change.device, self._groups())[2]
 
     def _take(self, setting: auto_setting.Setting) -> None:
         """auto's first choice, right after the measuring round's whole-model sync (or probe): fragments re-split (each
@@ -547,7 +545,7 @@ class OuterSync:
         self._codec = get_codec(name, fp16_scale=self._auto.fp16_scale, device=device)
         self._feedback = ErrorFeedback() if self._codec.lossy else None
         if self._hierarchy is not None:
-            self._hierarchy = HierarchicalReduce(self._hierarchy.topology, self._codec, self._feedback, check=True)
+            self._hierarchy = _sync_hierarchy(self._hierarchy.topology, self._codec, self._feedback)
 
     def _resume_auto(self, state: dict[str, Any]) -> None:
         """auto resumed: the checkpoint's fragments, overlap and codec (its picks; the others were checked equal),
@@ -658,7 +656,9 @@ class OuterSync:
         if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
             kept = self._feedback.residuals.get(fragment.key)
             fragment.residual_before = kept.clone() if kept is not None else None
-        job = comm_thread().submit(average, change.device)  # on a GPU: after this step's work, on the thread's stream
+        job = sync_thread().submit(
+            average, change.device, self._groups()
+        )  # on a GPU: after this step's work, on the thread's stream
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
             self._finish(fragment, outer)
@@ -676,6 +676,10 @@ class OuterSync:
         average = functools.partial(_average, hierarchy, codec, feedback, group, key, change, buffers, node)
         return self._auto.timed(average, change.device) if timed else average
 
+    def _groups(self) -> tuple:
+        """The groups the syncs issue on (per-step jobs that issue on one of them next wait for the syncs before)."""
+        return (self._engine_group, *(self._hierarchy.groups if self._hierarchy is not None else ()))
+
     def _hang_s(self) -> float | None:
         """How long a sync waits for a member alive but absent: hang_timeout (auto: from the recent step times)."""
         steps = sorted(self._timing[1])
@@ -692,18 +696,26 @@ class OuterSync:
         times the try that succeeded."""
         membership, codec, feedback = self._membership, self._codec, self._feedback
         hang_s = self._hang_s()
-        kept = feedback.residuals.get(key) if feedback is not None else None
-        kept = kept.clone() if kept is not None else None
+        # The fragment's residuals (flat: under `key`; in two levels: one per chunk, under (key, chunk))
+        kept = {} if feedback is None else {k: v.clone() for k, v in feedback.residuals.items() if _of(k, key)}
 
         def exchange(group: Any, members: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
             if feedback is not None:  # a try that is not applied leaves no trace in the residual
-                feedback.residuals.pop(key, None)
-                if kept is not None:
-                    feedback.residuals[key] = kept.clone()
-            share = change.div(members)
-            out = share if feedback is not None else None  # folded into the residual: the sum may be decoded into it
-            outcome = start_exchange(codec, feedback, share, key, group, out=out, check=True).finish()
-            mean, sent, mine = outcome.result.float(), outcome.sent, None
+                for k in [k for k in feedback.residuals if _of(k, key)]:
+                    del feedback.residuals[k]
+                feedback.residuals.update({k: v.clone() for k, v in kept.items()})
+            if membership.across is not None:  # the nodes present, in two levels (sync_scope=node)
+                nodes = tuple(tuple(node) for node in membership.nodes)
+                where = next(i for i, node in enumerate(nodes) if membership.rank in node)
+                topology = Topology(membership.rank, members, nodes, where, None, membership.in_node, membership.across)
+                hierarchy = _sync_hierarchy(topology, codec, feedback)
+                mean = hierarchy.reduce(change.div(len(nodes)), key, replicated=True)[0].float()
+                sent, mine = hierarchy.bytes_sent, None  # (across nodes, as the syncs count it)
+            else:
+                share = change.div(members)
+                out = share if feedback is not None else None  # folded into the residual: the sum is decoded into it
+                outcome = start_exchange(codec, feedback, share, key, group, out=out, check=True).finish()
+                mean, sent, mine = outcome.result.float(), outcome.sent, None
             if buffers is not None:
                 mine = buffers.div(members)
                 dist.all_reduce(mine, group=group)
@@ -721,6 +733,7 @@ class OuterSync:
         _, future, snapshot = fragment.pending
         fragment.pending = fragment.residual_before = None
         mean, buffers, sent = future.wait()
+        sync_thread().waited(future)  # (a group may pass back to per-step jobs once every sync was waited for)
         self.bytes_sent += sent
         if self.nan_check != "off":
             self._check_finite(fragment, mean, buffers)
@@ -912,6 +925,23 @@ class OuterSync:
             self._feedback.residuals = {key: value.to(device, copy=True) for key, value in state["residuals"].items()}
         if getattr(self._codec, "scales", None) is not None:
             self._codec.scales = {key: list(value) for key, value in state["scales"].items()}
+
+
+# What each worker sends across nodes per piece of a sync in two levels (the hierarchy shards each chunk over the
+# node's workers: a chunk of this size times the node's workers). Per-step buckets keep the hierarchy's 4 MiB chunks,
+# where latency matters more; a sync is bulk, and at 512 KiB pieces (8 workers a node) it pays a round trip each.
+SYNC_PIECE_MB = 4.0
+
+
+def _of(residual_key: Any, key: str) -> bool:
+    """Whether a residual's key is fragment `key`'s: its own (flat), or one of its chunks' (two levels)."""
+    return residual_key == key or (isinstance(residual_key, tuple) and residual_key[0] == key)
+
+
+def _sync_hierarchy(topology: Topology, codec: Codec, feedback: ErrorFeedback | None) -> HierarchicalReduce:
+    """The two-level reduction of a sync: sums read for finiteness (every sync), pieces of SYNC_PIECE_MB across."""
+    chunk_mb = SYNC_PIECE_MB * topology.local_size
+    return HierarchicalReduce(topology, codec, feedback, chunk_mb=chunk_mb, check=True)
 
 
 def _average(

@@ -15,7 +15,7 @@ import torch
 
 from trainaccel import context
 from trainaccel.comm import owners
-from trainaccel.comm.scheduler import comm_thread
+from trainaccel.comm.scheduler import COMM, comm_thread
 
 _last: torch.futures.Future | None = None  # the newest job's future: the thread runs jobs in order
 _inline = False  # jobs run on the caller's thread (see `keep_inline`)
@@ -55,7 +55,7 @@ def drain() -> None:
         last.wait()
     except Exception:  # the job's owner reports it; here only the order matters
         pass
-    owners.drained()  # this thread may issue directly on the process sets' groups again
+    owners.drained(COMM)  # this thread may issue directly on the process sets' groups again
     if _last is last:
         _last = None
 

@@ -102,6 +102,12 @@ class Membership:
         "_replica": "each rank's replica: its node under sync_scope=node (one lost rank loses its node's), else itself",
         "replica_group": "a node started again under sync_scope=node: its workers' group, built at their join (None: "
         "the job's own node group serves, or each rank is a replica)",
+        "across": "sync_scope=node: the members at this worker's place in their node, one per node present (the "
+        "change crosses nodes in two levels, each worker a shard of it); None: flat over `group`",
+        "in_node": "with `across`: this node's workers, who gather the shards (a group of the syncs alone, aborted "
+        "with the others after a failed try: a node-mate waiting in it fails at once)",
+        "nodes": "sync_scope=node: the nodes present, each its members (global ranks), as `across` was built for",
+        "_nodes": "sync_scope=node: the job's nodes (global ranks); None: each rank is a replica",
     }
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float):
@@ -120,7 +126,8 @@ class Membership:
         self._beats = LastChange()
         self._world = dist.get_world_size()
         self._done: list[str] = []
-        self.replica_group: dist.ProcessGroup | None = None
+        self.replica_group = self.across = self.in_node = None
+        self.nodes: list[list[int]] = []
         self.group_replicas(None)  # each rank a replica, until the syncs' scope says otherwise (OuterSync.use_scope)
         watch_script_collectives()  # the script's own, on a group that will hold a lost replica
         follow_membership(live_ranks)  # job-wide DistributedSamplers split the data over the members present
@@ -133,6 +140,7 @@ class Membership:
         self._replica = {rank: rank for rank in range(self._world)}
         for ranks in replicas or []:
             self._replica.update(dict.fromkeys(ranks, min(ranks)))
+        self._nodes = [sorted(ranks) for ranks in replicas] if replicas else None
         if incarnation() == 0:  # what a rank started again checks before it rejoins (resilience.rejoin)
             self._store.set(replicas_key(), json.dumps(sorted(map(sorted, replicas or []))))
 
@@ -173,8 +181,9 @@ class Membership:
                 result, ok, error = None, False, f"{type(e).__name__}: {e}"
                 # Aborted, the group closes its connections: members still waiting in the same collective for this
                 # one fail at once, instead of at the group's timeout, and come to the vote.
-                _abort(self.group)
-                self.group = None
+                for group in (self.group, self.across, self.in_node):
+                    _abort(group)
+                self.group = self.across = self.in_node = None
             if self._vote(name, ok, patience):
                 self._forget([f"{sync}.{a}" for a in range(attempt + 1)])
                 return result
@@ -208,7 +217,7 @@ class Membership:
                 len(members),
                 len(self.members),
             )
-            _note_lost(gone, self.group)
+            _note_lost(gone, self.group, self.across, self.in_node)
             lost = ", ".join(map(str, gone))
             refuse_script_collectives(f"it holds rank {lost}, which the replicas went on without at sync {name}")
         return members
@@ -402,6 +411,16 @@ class Membership:
         # Keyed by the try's name, the same on every member (a joiner's count of rebuilds is its own).
         group = self._gloo_group(dist.PrefixStore(f"{self._key}groups/{name}/", self._store), members)
         self.members, self.group, self._group_members = members, group, list(members)
+        self.across, self.in_node, self.nodes = None, None, []
+        if self._nodes is not None:  # nodes are lost and admitted whole: the present ones have all their workers
+            nodes = [node for node in self._nodes if node[0] in members]
+            mine = next(node for node in nodes if self.rank in node)
+            if len(nodes) > 1 and len({len(node) for node in nodes}) == 1 and len(mine) > 1:
+                place, key = mine.index(self.rank), f"{self._key}groups/{name}/"
+                across = [node[place] for node in nodes]
+                self.across = self._gloo_group(dist.PrefixStore(f"{key}across{place}/", self._store), across)
+                self.in_node = self._gloo_group(dist.PrefixStore(f"{key}node{mine[0]}/", self._store), mine)
+                self.nodes = nodes
         log.info("sync %s: %d members, group %d", name, len(members), self.epoch)
 
     def _gloo_group(self, store: dist.Store, ranks: list[int]) -> dist.ProcessGroup:
@@ -418,15 +437,16 @@ class Membership:
 # -- groups that hold a lost process -------------------------------------------------------------------------------
 
 
-def _note_lost(gone: list[int], own: dist.ProcessGroup | None) -> None:
+def _note_lost(gone: list[int], *own: dist.ProcessGroup | None) -> None:
     """The members went on without `gone` (global ranks): every group that holds one of them, torch's and the members'
-    last one (`own`), is never used again and is aborted at the end (`abort_groups_holding_lost`)."""
+    last ones (`own`), is never used again and is aborted at the end (`abort_groups_holding_lost`)."""
     world = distributed_c10d._world  # torch's registry of process groups: {group: {global rank: group rank}}
     for group, ranks in list(world.pg_group_ranks.items()):
         if isinstance(group, dist.ProcessGroup) and set(ranks) & set(gone):  # (non-members' groups are numbers)
             _holding_lost.add(group)
-    if own is not None and own not in world.pg_group_ranks:  # (the members' first group is the engine's, torch's)
-        _retired.append(own)
+    for group in own:
+        if group is not None and group not in world.pg_group_ranks:  # (the members' first group is torch's)
+            _retired.append(group)
     if context.first_time("groups holding a lost process aborted at exit"):
         # A script that ends without destroy_process_group(): its groups go at interpreter exit, aborted first here.
         atexit.register(abort_groups_holding_lost)

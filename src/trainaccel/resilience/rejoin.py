@@ -43,6 +43,8 @@ COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
     "all_gather_object",
     "all_to_all",
     "all_to_all_single",
