@@ -871,27 +871,33 @@ def test_auto_times_an_optimizer_step_across_every_backward_it_accumulates(how):
 
 @pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize("codec", ["int8", "fp4"])
-def test_a_checkpoint_during_an_overlapped_sync_keeps_the_residual_from_before_it(codec):
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+def test_a_checkpoint_during_an_overlapped_sync_keeps_the_residual_from_before_it(codec, pieces, monkeypatch):
     """The in-flight sync's change is not in the saved anchors (every replica resumes from them and syncs it again):
-    its encode, which the communication thread may already have run, must not be in the saved residual either."""
-    from trainaccel.comm.scheduler import comm_thread
-
-    model = _net()
-    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    its encode, which the syncs' thread may already have run, must not be in the saved residuals either (one, or
+    one per piece of a change sent in pieces)."""
+    from trainaccel.comm import outer_sync
+    from trainaccel.comm.scheduler import sync_thread
     from trainaccel.config import Config
 
+    if pieces:
+        monkeypatch.setattr(outer_sync, "GATHER_PIECE_ELEMENTS", 256)
+    model = _net()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     diloco = DiLoCo(model, inner, sync_every=3, sync_overlap=1, config=Config.resolve(outer_compression=codec))
     for i in range(1, 6):
         _step(model, inner, i)
     before = {k: v.clone() for k, v in diloco.outer._feedback.residuals.items()}
-    assert before  # the first sync (step 3) left a residual
+    assert len(before) == (1 if not pieces else -(-sum(p.numel() for p in model.parameters()) // 256)) > 0
     _step(model, inner, 6)  # the second sync begins, applied a step later
-    assert comm_thread().finished(30) and diloco.outer._fragments[0].pending is not None  # encoded, not applied
-    assert not torch.equal(diloco.outer._feedback.residuals["diloco/0"], before["diloco/0"])  # the live one moved
+    assert sync_thread().finished(30) and diloco.outer._fragments[0].pending is not None  # encoded, not applied
+    live = diloco.outer._feedback.residuals
+    assert any(not torch.equal(live[k], before[k]) for k in before)  # the live ones moved
     saved = diloco.state_dict()["residuals"]
     assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
-    _step(model, inner, 7)  # applied: the live residual is the sync's, and a checkpoint now saves it
-    assert torch.equal(diloco.state_dict()["residuals"]["diloco/0"], diloco.outer._feedback.residuals["diloco/0"])
+    _step(model, inner, 7)  # applied: the live residuals are the sync's, and a checkpoint now saves them
+    saved = diloco.state_dict()["residuals"]
+    assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
 
 
 @pytest.mark.usefixtures("one_process_group")

@@ -103,3 +103,31 @@ def test_a_syncs_pieces_across_nodes_are_sized_for_the_link_whatever_the_nodes_w
     hierarchy = outer_sync._sync_hierarchy(Topology(0, 2 * local_size, nodes, 0), get_codec("none"), None)
     assert hierarchy.chunk_mb / local_size == outer_sync.SYNC_PIECE_MB == 4.0
     assert hierarchy.check is True  # every sync's sums are read for finiteness
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("codec", ["int8", "fp4"])
+def test_a_gathered_outer_codec_goes_in_pieces_and_syncs_as_in_one(codec, monkeypatch):
+    """int8 and fp4 gather every replica's payload: a flat sync sends its change in pieces (GATHER_PIECE_ELEMENTS),
+    so that it holds replicas x a piece's payload, not the fragment's; on block boundaries the result is the same
+    bits as one exchange, and each piece keeps its own residual."""
+
+    def run(piece: int) -> tuple[torch.Tensor, list]:
+        monkeypatch.setattr(outer_sync, "GATHER_PIECE_ELEMENTS", piece)
+        model = _model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.01)
+        diloco = DiLoCo(model, inner, sync_every=2, config=Config(outer_compression=codec))
+        for step in range(1, 7):
+            x = torch.randn(16, 256, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            inner.step()
+            inner.zero_grad()
+        residuals = sorted(map(str, diloco.outer.feedback.residuals))
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        diloco.detach()
+        return params, residuals
+
+    whole, whole_keys = run(2**30)
+    pieces, piece_keys = run(256 * 1000)  # 256-element blocks: the pieces end on a block's boundary
+    assert torch.equal(whole, pieces)
+    assert whole_keys == ["diloco/0"] and len(piece_keys) == -(-8 * 65_792 // 256_000)  # 3 pieces

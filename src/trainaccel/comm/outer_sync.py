@@ -70,7 +70,7 @@ class _Fragment:
         "pending": "its exchange in flight: (step at which it is applied, future, parameters when it started)",
         "snapshot": "float32 parameters and buffers as an overlapped sync began, at the anchors' home (kept between "
         "syncs: pinned host memory is slow to allocate); None until the first",
-        "residual_before": "while an overlapped sync is in flight: the codec's residual from before its encode (what "
+        "residual_before": "while an overlapped sync is in flight: the codec's residuals from before its encode (what "
         "a checkpoint saves, with the anchors that do not hold it yet; None: there was none)",
     }
 
@@ -80,7 +80,7 @@ class _Fragment:
         self.outer: torch.optim.Optimizer | None = None
         self.next_sync = 0
         self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
-        self.residual_before: torch.Tensor | None = None
+        self.residual_before: dict[Any, torch.Tensor] | None = None
         self.snapshot: torch.Tensor | None = None
 
     @property
@@ -654,11 +654,10 @@ class OuterSync:
         name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
         average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
-            kept = self._feedback.residuals.get(fragment.key)
-            fragment.residual_before = kept.clone() if kept is not None else None
-        job = sync_thread().submit(
-            average, change.device, self._groups()
-        )  # on a GPU: after this step's work, on the thread's stream
+            residuals = self._feedback.residuals
+            fragment.residual_before = {k: v.clone() for k, v in residuals.items() if _of(k, fragment.key)}
+        # On a GPU: after this step's work, on the thread's stream.
+        job = sync_thread().submit(average, change.device, self._groups())
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
         if not overlapped:
             self._finish(fragment, outer)
@@ -712,10 +711,8 @@ class OuterSync:
                 mean = hierarchy.reduce(change.div(len(nodes)), key, replicated=True)[0].float()
                 sent, mine = hierarchy.bytes_sent, None  # (across nodes, as the syncs count it)
             else:
-                share = change.div(members)
-                out = share if feedback is not None else None  # folded into the residual: the sum is decoded into it
-                outcome = start_exchange(codec, feedback, share, key, group, out=out, check=True).finish()
-                mean, sent, mine = outcome.result.float(), outcome.sent, None
+                mean, sent = _flat_exchange(codec, feedback, change.div(members), key, group)
+                mean, mine = mean.float(), None
             if buffers is not None:
                 mine = buffers.div(members)
                 dist.all_reduce(mine, group=group)
@@ -860,17 +857,17 @@ class OuterSync:
             "auto": {"measuring": self._auto.measuring} if self._auto is not None else None,
         }
 
-    def _saved_residuals(self) -> dict[str, torch.Tensor]:
-        """The residuals that go with the saved anchors: for a fragment whose sync is in flight, the one from before
-        its encode (which the communication thread may have run already)."""
+    def _saved_residuals(self) -> dict[Any, torch.Tensor]:
+        """The residuals that go with the saved anchors: for a fragment whose sync is in flight, those from before
+        its encode (which the syncs' thread may have run already), whole or per piece."""
         if self._feedback is None:
             return {}
         saved = dict(self._feedback.residuals)
         for fragment in self._fragments:
             if fragment.pending is not None and fragment.pending[2] is not None:  # overlapped: see _begin
-                saved.pop(fragment.key, None)
-                if fragment.residual_before is not None:
-                    saved[fragment.key] = fragment.residual_before
+                for k in [k for k in saved if _of(k, fragment.key)]:
+                    del saved[k]
+                saved.update(fragment.residual_before or {})
         return saved
 
     def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
@@ -933,6 +930,45 @@ class OuterSync:
 SYNC_PIECE_MB = 4.0
 
 
+# A gathered outer codec (int8, fp4) holds every replica's payload while it decodes: a flat sync exchanges its change
+# in pieces of this many elements (16 MiB of float32), so that it holds replicas x one piece's payload (two pieces in
+# flight), not replicas x the fragment's. Summable codecs go whole; a fragment of one piece keeps its residual under
+# its own key, pieces under (key, piece).
+GATHER_PIECE_ELEMENTS = 4 * 2**20
+
+
+def _flat_exchange(
+    codec: Codec, feedback: ErrorFeedback | None, change: torch.Tensor, key: str, group: Any
+) -> tuple[torch.Tensor, int]:
+    """A sync's exchange of `change` over `group`, flat (on the syncs' thread): the sum, written into `change` where
+    it comes in pieces, and the bytes received. check=True: a sync every few steps can afford the host read, and the
+    exact retry's sum names only the parameters that were not finite (a block codec's would spread them)."""
+    whole = codec.summable or change.numel() <= GATHER_PIECE_ELEMENTS
+    pieces = [change] if whole else list(change.split(GATHER_PIECE_ELEMENTS))
+    keys = [key] if whole else [(key, i) for i in range(len(pieces))]
+    started: list[tuple[torch.Tensor, Any]] = []
+    sent = 0
+
+    def finish(part: torch.Tensor, pending: Any) -> torch.Tensor:
+        nonlocal sent
+        outcome = pending.finish()
+        sent += outcome.sent
+        if not whole and outcome.result.data_ptr() != part.data_ptr():
+            part.copy_(outcome.result)
+        return outcome.result
+
+    result = change
+    for part, k in zip(pieces, keys):
+        out = part if feedback is not None else None  # folded into the residual: the sum may be decoded into it
+        started.append((part, start_exchange(codec, feedback, part, k, group, out=out, check=True)))
+        if len(started) > 1:  # the next piece crosses while this one decodes
+            finish(*started.pop(0))
+    last = finish(*started.pop(0))
+    if whole:
+        result = last
+    return result, sent
+
+
 def _of(residual_key: Any, key: str) -> bool:
     """Whether a residual's key is fragment `key`'s: its own (flat), or one of its chunks' (two levels)."""
     return residual_key == key or (isinstance(residual_key, tuple) and residual_key[0] == key)
@@ -960,11 +996,8 @@ def _average(
         mean = hierarchy.reduce(change, key, replicated=node)[0]
         sent = hierarchy.bytes_sent - before
     else:
-        # check=True: a sync every few steps can afford the host read, and the exact retry's sum names only the
-        # parameters that were not finite (a block codec's would spread them over their blocks).
-        out = change if feedback is not None else None  # folded into the residual: the sum may be decoded into it
-        outcome = start_exchange(codec, feedback, change, key, group, out=out, check=True).finish()
-        mean, sent = outcome.result.float(), outcome.sent
+        mean, sent = _flat_exchange(codec, feedback, change, key, group)
+        mean = mean.float()
     if buffers is not None:
         dist.all_reduce(buffers, group=group)
         sent += buffers.numel() * buffers.element_size()
