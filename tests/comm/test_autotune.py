@@ -30,8 +30,11 @@ def test_choose_takes_the_lowest_median():
 
 
 @pytest.mark.multiprocess
-def test_every_rank_applies_the_same_choice(tmp_path):
-    procs = run_nodes(SCRIPTS / "autotune.py", tmp_path)
+@pytest.mark.parametrize("how", ["timed", "flat"])
+def test_every_rank_applies_the_same_choice(tmp_path, how):
+    """`flat`: rank 0 chooses the flat candidate; the hierarchy's groups (in-node sum and gather, cross-node), which
+    only the losing candidates used, are destroyed on every rank (on NCCL a communicator and its buffers each)."""
+    procs = run_nodes(SCRIPTS / "autotune.py", tmp_path, *([how] if how == "flat" else []))
     for proc in procs:
         assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = read_ranks(tmp_path, 4)
@@ -41,3 +44,8 @@ def test_every_rank_applies_the_same_choice(tmp_path):
     assert len({r["digest"] for r in ranks}) == 1  # parameters stayed identical across ranks
     log = "".join(p.stdout for p in procs)
     assert log.count("autotune chose") == 1  # logged once, by rank 0
+    if how == "flat":
+        assert ranks[0]["chosen"] == "fp16 flat"
+        # the default group, the engine's copy, and the hierarchy's three: those go with the losers
+        assert all(r["held"] == [5, 2] for r in ranks), [r["held"] for r in ranks]
+        assert log.count("the hierarchy's groups, used by no candidate kept, are destroyed") == 4

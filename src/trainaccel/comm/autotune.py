@@ -20,6 +20,7 @@ from trainaccel.comm import clock
 from trainaccel.comm.hooks import CommState, trainaccel_comm_hook
 from trainaccel.comm.powersgd import START_STEP
 from trainaccel.comm.scheduler import comm_thread
+from trainaccel.comm.topology import release
 from trainaccel.config import Config
 
 log = logging.getLogger("trainaccel")
@@ -126,7 +127,11 @@ class Autotuner:
             dist.broadcast(decision, src=dist.get_global_rank(group, 0), group=group)
             return decision
 
-        self.chosen = self.candidates[int(comm_thread().submit(send, device).wait().item())]
+        self.chosen = self.candidates[int(comm_thread().run(send, device, (group,)).item())]
+        for candidate in self.candidates:  # the losers' two-level groups, where nothing else uses them, are freed
+            hierarchy = candidate.state.hierarchy
+            if candidate is not self.chosen and hierarchy is not None and release(hierarchy.topology):
+                log.info("autotune: the hierarchy's groups, used by no candidate kept, are destroyed")
         if dist.get_rank(group) == 0:
             tried = ", ".join(
                 f"{label} {statistics.median(t):.3f} s" if t else f"{label} -" for label, t in seconds.items()

@@ -27,7 +27,7 @@ from trainaccel.comm.exchange import (
     reduce_scatter_single,
     start_exchange,
 )
-from trainaccel.comm.topology import Topology
+from trainaccel.comm.topology import Topology, hold
 from trainaccel.devices import backend_of
 from trainaccel.monitor import timeline
 
@@ -71,6 +71,7 @@ class HierarchicalReduce:
         if topology.why_flat() is not None:
             raise ValueError(f"no hierarchy to reduce over: {topology.why_flat()}")
         self.topology, self.codec, self.feedback = topology, codec, feedback
+        hold(topology)  # its groups stay while a reduction over them may run
         self.intra_codec, self.intra_feedback = intra_codec or NoCompression(), intra_feedback
         # Buffers cross the pipeline in chunks, so that one chunk crosses nodes while the next
         # is summed in the node: with whole DDP buckets the link idles during the intra stages.

@@ -114,7 +114,32 @@ def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
             inter_group=inter[topology.local_index],
         )
     _cache[:] = [(world, topology)]
+    _held[0] = 0
     return topology
+
+
+_held: list[int] = [0]  # reductions built over the cached hierarchy's groups and not released (`hold`, `release`)
+
+
+def hold(topology: Topology) -> None:
+    """A reduction over `topology`'s groups was built (on every rank alike): they stay while any is held."""
+    if _cache and _cache[0][1] is topology and topology.intra_group is not None:
+        _held[0] += 1
+
+
+def release(topology: Topology) -> bool:
+    """A reduction `hold` counted is no longer used (autotune's losing candidates; every rank alike): once none is,
+    the hierarchy's groups are destroyed (on NCCL, a communicator and its buffers each), and built again at the
+    next `discover()` that needs them. Returns whether they were destroyed."""
+    if not (_cache and _cache[0][1] is topology and topology.intra_group is not None):
+        return False
+    _held[0] -= 1
+    if _held[0] > 0:
+        return False
+    for group in (topology.intra_group, topology.gather_group, topology.inter_group):
+        dist.destroy_process_group(group)
+    _cache.clear()
+    return True
 
 
 _node_groups: list[tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = []  # (the default group, this node's group)
