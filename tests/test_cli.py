@@ -143,3 +143,46 @@ def test_every_command_prints_its_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         (run_main(["--help"]) if command == ["run"] else main([*command, "--help"]))
     assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+SCRIPT = "tests/scripts/plain_ddp.py"
+BAD_INPUTS = [  # (argv, env, what the first line must say)
+    (["frobnicate"], {}, "trainaccel: error: argument {run,info,demo,bench,pack}: invalid choice: 'frobnicate'"),
+    (["bench", "quallity"], {}, "trainaccel bench: error: argument {quality,"),
+    (["bench", "train", "--stepz", "3"], {}, "unrecognized arguments: --stepz 3 (did you mean --steps?)"),
+    (["pack", "coco"], {}, "trainaccel pack coco: error: the following arguments are required: annotations"),
+    (["pack", "coco", "--shard-sise", "3", "a", "b"], {}, "(did you mean --shard-size?)"),
+    (["info", "--verbose"], {}, "trainaccel info: error: unrecognized arguments: --verbose"),
+    (["info"], {"TRAINACCEL_HIERARCHICAL": "sideways"}, "invalid hierarchical='sideways' (from TRAINACCEL_HIER"),
+    (["demo", "--stesp", "3"], {}, "trainaccel demo: error: unrecognized arguments: --stesp 3 (did you mean --steps?)"),
+    (["run", "--compresion", "fp16", SCRIPT], {}, "unrecognized arguments: --compresion (did you mean --compression?)"),
+    (["run", "--nproc-per-node", "2", "nothere.py"], {}, "trainaccel run: error: no training script 'nothere.py'"),
+    (["run", "-m", "not.a.module"], {}, "trainaccel run: error: no module 'not.a.module' to run (-m)"),
+    (["run", "--compression", "zip", SCRIPT], {}, "invalid compression='zip' (from --compression); accepted: none,"),
+    (["run", SCRIPT], {"TRAINACCEL_COMPRESION": "fp16"}, "TRAINACCEL_COMPRESION is not a trainaccel option (did you"),
+    (["run", SCRIPT], {"TRAINACCEL_UNKNOWN_ENV": "maybe"}, "invalid unknown_env='maybe' (from TRAINACCEL_UNKNOWN_EN"),
+    (["run", "--sync-every", "-3", SCRIPT], {}, "trainaccel run: error: invalid sync_every="),
+    (["run", "--sync-fragments", "2", SCRIPT], {}, "invalid sync_fragments=2; accepted: 1 without sync_every"),
+    (["run", "--on-lost-replica", "continue", SCRIPT], {}, "invalid on_lost_replica='continue'; accepted: stop "),
+    (["run", "--sync-every", "4", "--compression", "fp16", SCRIPT], {}, "invalid compression='fp16'; accepted: none"),
+    (["run", "--compression", "topk", "--compression-ratio", "2", SCRIPT], {}, "invalid compression_ratio="),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("argv, env, said", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _, _ in BAD_INPUTS])
+def test_bad_input_is_answered_in_at_most_three_lines_without_a_traceback(argv, env, said):
+    proc = run([*trainaccel_cmd(), *argv], env=env, timeout=60)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2, out
+    assert len(out) <= 3 and not any("Traceback" in line for line in out), out
+    assert said in out[0], out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "train"], ["pack", "coco"], ["demo"]])
+def test_each_command_shows_its_own_usage(argv):
+    """Not the root's command list: argparse names a subcommand by the parent's usage unless told its prog."""
+    proc = run([*trainaccel_cmd(), *argv, "--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: trainaccel {' '.join(argv)} "), proc.stdout[:300]

@@ -195,7 +195,7 @@ def test_amp_levels_and_switches_normalise():
     assert Config.resolve(env={"TRAINACCEL_AMP": "O1"}).amp == "on"
     assert Config.resolve(env={}, amp="o0").amp == "off"
     described = Config.resolve(env={}, amp=True, compile=True).describe().split()
-    wanted = ["amp=on", "amp_policy=always", "compile=on", "compile_preset=default"]
+    wanted = ["amp=on", "compile=on"]  # the line names what differs from the defaults only
     assert [
         item for item in described if item.split("=")[0] in ("amp", "amp_policy", "compile", "compile_preset")
     ] == wanted

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
 from trainaccel import __version__
+from trainaccel.argparsing import Parser, refuse
 
 USAGE = """trainaccel {run,info,demo,bench,pack} ...
 
@@ -46,30 +46,38 @@ def main(argv: list[str] | None = None) -> int:
         from trainaccel.launch.run import main as run_main
 
         return run_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="trainaccel", usage=USAGE)
+    parser = Parser(prog="trainaccel", usage=USAGE)
     parser.add_argument("--version", action="version", version=f"trainaccel {__version__}")
     # Only the command named (and its benchmark) imports its module for its arguments: the others would load torch
     # and its distributed packages for nothing (`trainaccel --version` in a tenth of a second, not seconds).
     named = argv[:2]
-    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo,bench,pack}")
+    # prog=: each command's usage and errors name it alone (by default argparse puts the root's usage there)
+    commands = parser.add_subparsers(dest="command", metavar="{run,info,demo,bench,pack}", prog="trainaccel")
     commands.add_parser("run", help="start a training script (see `trainaccel run --help`)")
-    commands.add_parser("info", help="versions, backends, devices and the resolved configuration")
+    info = commands.add_parser("info", help="versions, backends, devices and the resolved configuration")
     demo = commands.add_parser("demo", help="plain DDP vs trainaccel on local CPU workers")
+    named_parsers = {("info",): info, ("demo",): demo}  # (an unknown flag is reported by its command's parser)
     if named[:1] == ["demo"]:
         importlib.import_module("trainaccel.demo").add_arguments(demo)
     bench = commands.add_parser("bench", help="benchmarks, arms side by side").add_subparsers(
-        dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}", required=True
+        dest="benchmark", metavar="{" + ",".join(BENCHMARKS) + "}", required=True, prog="trainaccel bench"
     )
     for name, (module, text) in BENCHMARKS.items():
-        benchmark = bench.add_parser(name, help=text)
+        benchmark = named_parsers["bench", name] = bench.add_parser(name, help=text)
         if named == ["bench", name]:
             importlib.import_module(module).add_arguments(benchmark)
     packing = commands.add_parser("pack", help="image files into indexed TFRecord shards").add_subparsers(
-        dest="pack_command", metavar="{make-list,imagefolder,list,coco}", required=True
+        dest="pack_command", metavar="{make-list,imagefolder,list,coco}", required=True, prog="trainaccel pack"
     )
     if named[:1] == ["pack"]:
         importlib.import_module("trainaccel.data.pack_cli").add_arguments(packing)
-    args = parser.parse_args(argv)
+        named_parsers.update({("pack", name): sub for name, sub in packing.choices.items()})
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        refuse(
+            named_parsers.get(tuple(named), named_parsers.get(tuple(named[:1]), parser)),
+            "unrecognized arguments: " + " ".join(unknown),
+        )
     if args.command == "pack":
         return importlib.import_module("trainaccel.data.pack_cli").main(args)
     if args.command == "info":

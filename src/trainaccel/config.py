@@ -8,6 +8,7 @@ This module must stay free of torch so that `import trainaccel` is cheap.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
@@ -22,7 +23,15 @@ ENV_SETTINGS: dict[str, str] = {
     "issues on (a debug check of the engine's one issuing thread per group; see docs/operations.md)",
     "elastic_dir": "folder of hvd.elastic's commit files (default: one per torchrun job in the temp dir); "
     "a relaunch with the same folder resumes from the newest commit",
+    "unknown_env": "warn: a TRAINACCEL_* variable that names no option or setting is reported and ignored (default: "
+    "an error, which names the closest option: a misspelt option would silently train without it)",
 }
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """` (did you mean X?)` for the known name closest to a misspelt `name`, or `` when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 class ConfigError(ValueError):
@@ -32,6 +41,14 @@ class ConfigError(ValueError):
         self.option, self.value, self.accepted, self.source = option, value, accepted, source
         where = f" (from {source})" if source else ""
         super().__init__(f"invalid {option}={value!r}{where}; accepted: {accepted}")
+
+    @classmethod
+    def line(cls, message: str) -> ConfigError:
+        """A configuration error that is not one option's value (an unknown name): `message` as is."""
+        error = cls.__new__(cls)
+        error.option = error.value = error.accepted = error.source = None
+        ValueError.__init__(error, message)
+        return error
 
 
 def _choice(
@@ -448,9 +465,10 @@ class Config:
     ) -> Config:
         """Merge defaults < env < flags < keywords, validating each value where it came from."""
         env = os.environ if env is None else env
-        unknown = set(kwargs) - set(cls.option_names())
+        unknown = sorted(set(kwargs) - set(cls.option_names()))
         if unknown:
-            raise TypeError(f"unknown trainaccel option(s) {sorted(unknown)}; known: {', '.join(cls.option_names())}")
+            hint = did_you_mean(unknown[0], cls.option_names())
+            raise TypeError(f"unknown trainaccel option(s) {unknown}{hint}; known: {', '.join(cls.option_names())}")
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             candidates = [
@@ -516,6 +534,20 @@ class Config:
         known = {cls.env_name(n) for n in [*cls.option_names(), *ENV_SETTINGS]}
         return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
+    @classmethod
+    def check_env(cls, env: Mapping[str, str] | None = None) -> list[str]:
+        """Refuse a TRAINACCEL_* variable that names no option or setting, in one line naming the closest (unless
+        TRAINACCEL_UNKNOWN_ENV=warn: then returns the lines to warn with)."""
+        env = os.environ if env is None else env
+        known = [cls.env_name(n) for n in [*cls.option_names(), *ENV_SETTINGS]]
+        lines = [f"{name} is not a trainaccel option{did_you_mean(name, known)}" for name in cls.unknown_env(env)]
+        setting = (env.get(cls.env_name("unknown_env")) or "error").strip().lower()
+        if setting not in ("error", "warn"):
+            raise ConfigError("unknown_env", setting, "error, warn", cls.env_name("unknown_env"))
+        if lines and setting == "error":
+            raise ConfigError.line(f"{lines[0]}; set {cls.env_name('unknown_env')}=warn to ignore it")
+        return lines
+
     def to_env(self, options: Iterable[str] | None = None) -> dict[str, str]:
         """The TRAINACCEL_* variables that reproduce this config (or only `options` of it) in another process."""
         values = dataclasses.asdict(self)
@@ -526,8 +558,14 @@ class Config:
         return {self.env_name(name): "" if values[name] is None else str(values[name]) for name in names}
 
     def describe(self) -> str:
-        """One line, e.g. `compression=fp16 hierarchical=auto ...`."""
-        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        """One line of the options that differ from their defaults, e.g. `compression=fp16 sync_every=4`."""
+        default = Config()
+        changed = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return " ".join(changed) or "the defaults"
 
 
 def env_setting(name: str, env: Mapping[str, str] | None = None) -> str | None:

@@ -26,6 +26,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     """
     mapped = map_mpi_env()
     config = Config.resolve(**options)
+    misspelt = Config.check_env()  # (raises, naming the closest option, unless TRAINACCEL_UNKNOWN_ENV=warn)
     _configure_logging(config.log_level)
     from trainaccel.resilience.failfast import set_collective_timeout
 
@@ -58,8 +59,8 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     if config != previous:
         if context.rank() == 0:
             log.info("trainaccel config: %s", config.describe())
-            for name in Config.unknown_env():
-                log.warning("ignoring %s: not a trainaccel option (known: %s)", name, ", ".join(Config.option_names()))
+            for line in misspelt:
+                log.warning("ignoring %s", line)
     return config
 
 

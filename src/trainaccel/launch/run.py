@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shlex
+import shutil
 import sys
 
+from trainaccel.argparsing import refuse, two_line_errors
 from trainaccel.config import ENV_PREFIX, Config, ConfigError
 from trainaccel.launch.torchrun import TORCHRUN, LaunchError, check_torchrun_flags, script_argv, torchrun_flags
 
@@ -18,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     """torchrun's own parser, extended with trainaccel options and host-list flags."""
     from torch.distributed.run import get_args_parser
 
-    parser = get_args_parser()
+    parser = two_line_errors(get_args_parser())
     parser.prog = "trainaccel run"
     # argparse classifies every argument before it knows where the script's own begin: with abbreviations on,
     # a script's --out would be taken for --outer-lr (ambiguous prefix) and the launch refused.
@@ -55,10 +58,16 @@ def trainaccel_env(args: argparse.Namespace) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.np is None and not args.hosts and not args.hostfile:  # (a host list's script is on the hosts)
+        missing = _missing_script(args)
+        if missing:
+            refuse(parser, missing)
     try:
         if args.run_path:
             raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
         check_torchrun_flags(args)
+        for line in Config.check_env():  # (raises on a misspelt option, unless TRAINACCEL_UNKNOWN_ENV=warn)
+            log.warning("ignoring %s", line)
         env = trainaccel_env(args)
         config = Config.resolve(env=env)
         if config.shard != "off":
@@ -106,6 +115,22 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join([*env_prefix, *TORCHRUN, *torchrun_flags(args, module=False), *script_argv(args)]))
         return 0
     return _run_torchrun(args)
+
+
+def _missing_script(args: argparse.Namespace) -> str | None:
+    """Why the training script cannot start here (before any worker does), or None."""
+    script = args.training_script
+    if args.no_python:
+        return None if shutil.which(script) or os.path.exists(script) else f"no program {script!r} to run"
+    if args.module:
+        try:
+            found = importlib.util.find_spec(script)
+        except (ImportError, ValueError):
+            found = None
+        return None if found is not None else f"no module {script!r} to run (-m): not importable here"
+    if not os.path.isfile(script):
+        return f"no training script {script!r}: not a file (from {os.getcwd()})"
+    return None
 
 
 def _run_torchrun(args: argparse.Namespace) -> int:
