@@ -23,6 +23,11 @@ ENV_SETTINGS: dict[str, str] = {
     "issues on (a debug check of the engine's one issuing thread per group; see docs/operations.md)",
     "elastic_dir": "folder of hvd.elastic's commit files (default: one per torchrun job in the temp dir); "
     "a relaunch with the same folder resumes from the newest commit",
+    **{
+        f"{group}_full": f"1: the test suite runs its {group} cases outside the CI subset too (`pytest -m {group}_full`, "
+        "tests/conftest.py)"
+        for group in ("bench", "comm", "resilience", "frameworks")
+    },
     "unknown_env": "warn: a TRAINACCEL_* variable that names no option or setting is reported and ignored (default: "
     "an error, which names the closest option: a misspelt option would silently train without it)",
 }
