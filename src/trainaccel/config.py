@@ -24,8 +24,8 @@ ENV_SETTINGS: dict[str, str] = {
     "elastic_dir": "folder of hvd.elastic's commit files (default: one per torchrun job in the temp dir); "
     "a relaunch with the same folder resumes from the newest commit",
     **{
-        f"{group}_full": f"1: the test suite runs its {group} cases outside the CI subset too (`pytest -m {group}_full`, "
-        "tests/conftest.py)"
+        f"{group}_full": f"1: the test suite runs its {group} cases outside the CI subset too "
+        f"(`pytest -m {group}_full`, tests/conftest.py)"
         for group in ("bench", "comm", "resilience", "frameworks")
     },
     "unknown_env": "warn: a TRAINACCEL_* variable that names no option or setting is reported and ignored (default: "
