@@ -330,3 +330,15 @@ def test_a_failed_or_interrupted_run_ends_with_its_exit_code_and_one_line(capsys
 
     assert interleaved_or_exit_code("quality", "title", ["x"], 1, None, run_one, str) == (None, code)
     assert f"trainaccel bench quality: {line}" in capsys.readouterr().err
+
+
+def test_a_plots_lines_are_named_in_words():
+    """A reader of the results page sees what each line is, not the benchmark's arm names."""
+    from trainaccel.bench.plot import arm_words
+
+    assert arm_words("baseline") == "plain DDP"
+    assert arm_words("torch-fp16") == "DDP + torch's fp16_compress_hook"
+    assert arm_words("local") == "no communication (the ceiling)"
+    assert arm_words("auto", {"sync_every": "auto"}) == "trainaccel --sync-every auto"
+    both = {"sync_every": "4", "outer_compression": "fp4"}
+    assert arm_words("s4fp4", both) == "trainaccel --sync-every 4 --outer-compression fp4"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 
@@ -58,20 +59,41 @@ def plot_comm(rows: list[dict], title: str, path: str | Path) -> None:
     plt.close(fig)
 
 
-def plot_quality(summary: dict[str, dict], title: str, path: str | Path) -> None:
-    """Validation loss against training seconds, one line per arm (its first repeat), the target dashed."""
+# Each built-in arm in words, for a reader who has not run the benchmark.
+ARM_WORDS = {
+    "baseline": "plain DDP",
+    "torch-fp16": "DDP + torch's fp16_compress_hook",
+    "torch-bf16": "DDP + torch's bf16_compress_hook",
+    "local": "no communication (the ceiling)",
+}
+
+
+def arm_words(arm: str, options: dict[str, str] | None = None) -> str:
+    """An arm's line in a legend: built-in arms in words, trainaccel's as the flags that start them."""
+    if arm in ARM_WORDS:
+        return ARM_WORDS[arm]
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (options or {}).items())
+    return f"trainaccel {flags}".strip()
+
+
+def plot_quality(
+    summary: dict[str, dict], title: str, path: str | Path, options: dict[str, dict[str, str]] | None = None
+) -> None:
+    """Validation loss against training seconds, one line per arm (its first repeat, named in words), the target
+    dashed; `options`: each trainaccel arm's options, which name it."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm, s in summary.items():
         curve = s["curves"][0]
-        ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=arm)
+        label = arm_words(arm, (options or {}).get(arm))
+        ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=label, linewidth=1.5)
     targets = next((s["target_loss"] for s in summary.values() if s.get("target_loss") is not None), None)
     target = targets[0] if targets else None  # the first repeat's, as the curves are
     if target is not None:
-        ax.axhline(target, linestyle="--", color="gray", label="target (plain DDP + tolerance)")
+        ax.axhline(target, linestyle="--", color="gray", label="plain DDP's final loss + 2%")
     ax.set_xlabel("training seconds")
     ax.set_ylabel("validation loss")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

@@ -368,7 +368,7 @@ def main(args: argparse.Namespace) -> int:
                 + _batches(s["replicas"])
             )
     if args.plot:
-        plot_quality(summary, title, args.plot)
+        plot_quality(summary, title, args.plot, {arm: arm_options[arm] for arm in summary if arm not in ARMS})
     if args.json:
         report = {
             **report_header("quality", args),
