@@ -169,14 +169,33 @@ BAD_INPUTS = [  # (argv, env, what the first line must say)
 ]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("argv, env, said", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _, _ in BAD_INPUTS])
-def test_bad_input_is_answered_in_at_most_three_lines_without_a_traceback(argv, env, said):
-    proc = run([*trainaccel_cmd(), *argv], env=env, timeout=60)
-    out = (proc.stdout + proc.stderr).strip().splitlines()
-    assert proc.returncode == 2, out
+def test_bad_input_is_answered_in_at_most_three_lines_without_a_traceback(argv, env, said, monkeypatch, capsys):
+    """In this process, as the command's entry point runs it (two cases below as real processes)."""
+    from trainaccel.cli import main
+
+    for name in [n for n in os.environ if n.startswith("TRAINACCEL_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    out = (captured.out + captured.err).strip().splitlines()
+    assert code == 2, out
     assert len(out) <= 3 and not any("Traceback" in line for line in out), out
     assert said in out[0], out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [1, 8, 12], ids=["bench", "run flag", "run env"])
+def test_bad_input_from_the_command_itself(case):
+    argv, env, said = BAD_INPUTS[case]
+    proc = run([*trainaccel_cmd(), *argv], env=env, timeout=60)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(out) <= 3 and said in out[0], out
 
 
 @pytest.mark.multiprocess
