@@ -58,10 +58,6 @@ def trainaccel_env(args: argparse.Namespace) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.np is None and not args.hosts and not args.hostfile:  # (a host list's script is on the hosts)
-        missing = _missing_script(args)
-        if missing:
-            refuse(parser, missing)
     try:
         if args.run_path:
             raise LaunchError("--run-path is not supported: workers must start as processes to run the script")
@@ -114,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         env_prefix = [f"{k}={v}" for k, v in sorted(env.items())]
         print(shlex.join([*env_prefix, *TORCHRUN, *torchrun_flags(args, module=False), *script_argv(args)]))
         return 0
+    missing = _missing_script(args)  # here, before any worker starts (a host list's script is on its hosts)
+    if missing:
+        refuse(parser, missing)
     return _run_torchrun(args)
 
 
