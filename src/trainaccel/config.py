@@ -540,12 +540,17 @@ class Config:
         return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
     @classmethod
+    def misspelt_env(cls, env: Mapping[str, str] | None = None) -> list[str]:
+        """A line for each TRAINACCEL_* variable that names no option or setting, naming the closest."""
+        known = [cls.env_name(n) for n in [*cls.option_names(), *ENV_SETTINGS]]
+        return [f"{name} is not a trainaccel option{did_you_mean(name, known)}" for name in cls.unknown_env(env)]
+
+    @classmethod
     def check_env(cls, env: Mapping[str, str] | None = None) -> list[str]:
         """Refuse a TRAINACCEL_* variable that names no option or setting, in one line naming the closest (unless
         TRAINACCEL_UNKNOWN_ENV=warn: then returns the lines to warn with)."""
         env = os.environ if env is None else env
-        known = [cls.env_name(n) for n in [*cls.option_names(), *ENV_SETTINGS]]
-        lines = [f"{name} is not a trainaccel option{did_you_mean(name, known)}" for name in cls.unknown_env(env)]
+        lines = cls.misspelt_env(env)
         setting = (env.get(cls.env_name("unknown_env")) or "error").strip().lower()
         if setting not in ("error", "warn"):
             raise ConfigError("unknown_env", setting, "error, warn", cls.env_name("unknown_env"))

@@ -7,7 +7,7 @@ import platform
 import sys
 
 from trainaccel import __version__
-from trainaccel.config import Config, ConfigError, did_you_mean
+from trainaccel.config import Config, ConfigError
 
 
 def collect() -> dict[str, object]:
@@ -54,9 +54,8 @@ def main() -> int:
     for name in Config.option_names():
         source = Config.env_name(name) if Config.env_name(name) in os.environ else "default"
         table.add_row(f"config.{name}", f"{getattr(config, name)}  ({source})")
-    for name in Config.unknown_env():
-        known = [Config.env_name(n) for n in Config.option_names()]
-        table.add_row("warning", f"{name} is not a trainaccel option{did_you_mean(name, known)}")
+    for line in Config.misspelt_env():
+        table.add_row("warning", line)
     console.print(table)
     names = [Config.env_name(name) for name in Config.option_names()]
     given = [f"{name}={os.environ[name]}" for name in names if name in os.environ]

@@ -21,9 +21,8 @@ from trainaccel.comm.codecs import Codec, ErrorFeedback
 from trainaccel.context import log, warn_once
 from trainaccel.monitor import timeline
 
+
 # torch 2.13 renamed the tensor forms of these collectives; older releases have only the old names.
-
-
 def all_gather_single(*args: Any, **kwargs: Any) -> Any:
     """torch's one-tensor all-gather, looked up at each call: the owners check's wrapper sees it too."""
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)

@@ -654,8 +654,7 @@ class OuterSync:
         name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
         average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
-            residuals = self._feedback.residuals
-            fragment.residual_before = {k: v.clone() for k, v in residuals.items() if _of(k, fragment.key)}
+            fragment.residual_before = _residuals_of(self._feedback.residuals, fragment.key)
         # On a GPU: after this step's work, on the thread's stream.
         job = sync_thread().submit(average, change.device, self._groups())
         fragment.pending = (self.steps + (self.overlap if outer else 0), job, snapshot)
@@ -696,23 +695,22 @@ class OuterSync:
         membership, codec, feedback = self._membership, self._codec, self._feedback
         hang_s = self._hang_s()
         # The fragment's residuals (flat: under `key`; in two levels: one per chunk, under (key, chunk))
-        kept = {} if feedback is None else {k: v.clone() for k, v in feedback.residuals.items() if _of(k, key)}
+        kept = {} if feedback is None else _residuals_of(feedback.residuals, key)
 
         def exchange(group: Any, members: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
             if feedback is not None:  # a try that is not applied leaves no trace in the residual
-                for k in [k for k in feedback.residuals if _of(k, key)]:
-                    del feedback.residuals[k]
-                feedback.residuals.update({k: v.clone() for k, v in kept.items()})
+                _put_back(feedback.residuals, key, _residuals_of(kept, key))
             if membership.across is not None:  # the nodes present, in two levels (sync_scope=node)
                 nodes = tuple(tuple(node) for node in membership.nodes)
                 where = next(i for i, node in enumerate(nodes) if membership.rank in node)
                 topology = Topology(membership.rank, members, nodes, where, None, membership.in_node, membership.across)
                 hierarchy = _sync_hierarchy(topology, codec, feedback)
                 mean = hierarchy.reduce(change.div(len(nodes)), key, replicated=True)[0].float()
-                sent, mine = hierarchy.bytes_sent, None  # (across nodes, as the syncs count it)
+                sent = hierarchy.bytes_sent  # (across nodes, as the syncs count it)
             else:
                 mean, sent = _flat_exchange(codec, feedback, change.div(members), key, group)
-                mean, mine = mean.float(), None
+                mean = mean.float()
+            mine = None
             if buffers is not None:
                 mine = buffers.div(members)
                 dist.all_reduce(mine, group=group)
@@ -865,9 +863,7 @@ class OuterSync:
         saved = dict(self._feedback.residuals)
         for fragment in self._fragments:
             if fragment.pending is not None and fragment.pending[2] is not None:  # overlapped: see _begin
-                for k in [k for k in saved if _of(k, fragment.key)]:
-                    del saved[k]
-                saved.update(fragment.residual_before or {})
+                _put_back(saved, fragment.key, fragment.residual_before or {})
         return saved
 
     def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
@@ -957,21 +953,30 @@ def _flat_exchange(
             part.copy_(outcome.result)
         return outcome.result
 
-    result = change
     for part, k in zip(pieces, keys):
         out = part if feedback is not None else None  # folded into the residual: the sum may be decoded into it
         started.append((part, start_exchange(codec, feedback, part, k, group, out=out, check=True)))
         if len(started) > 1:  # the next piece crosses while this one decodes
             finish(*started.pop(0))
     last = finish(*started.pop(0))
-    if whole:
-        result = last
-    return result, sent
+    return (last if whole else change), sent
 
 
 def _of(residual_key: Any, key: str) -> bool:
-    """Whether a residual's key is fragment `key`'s: its own (flat), or one of its chunks' (two levels)."""
+    """Whether a residual's key is fragment `key`'s: its own (flat), or one of its pieces' or chunks' (key, i)."""
     return residual_key == key or (isinstance(residual_key, tuple) and residual_key[0] == key)
+
+
+def _residuals_of(residuals: dict[Any, torch.Tensor], key: str) -> dict[Any, torch.Tensor]:
+    """Copies of fragment `key`'s residuals, whole or per piece or chunk."""
+    return {k: v.clone() for k, v in residuals.items() if _of(k, key)}
+
+
+def _put_back(residuals: dict[Any, torch.Tensor], key: str, kept: dict[Any, torch.Tensor]) -> None:
+    """Fragment `key`'s residuals in `residuals` become `kept` (those of no other fragment change)."""
+    for k in [k for k in residuals if _of(k, key)]:
+        del residuals[k]
+    residuals.update(kept)
 
 
 def _sync_hierarchy(topology: Topology, codec: Codec, feedback: ErrorFeedback | None) -> HierarchicalReduce:

@@ -328,9 +328,7 @@ def engine_group(group: dist.ProcessGroup | None, queue: str = COMM) -> dist.Pro
     if queue not in (COMM, SYNC):
         raise ValueError(f"invalid queue={queue!r}; accepted: {COMM}, {SYNC}")
     group = dist.group.WORLD if group is None else group
-    copies = _groups.get(group)
-    if copies is None:
-        copies = _groups[group] = {}
+    copies = _groups.setdefault(group, {})
     if queue not in copies:
         copies[queue] = _copy(group)
     return copies[queue]

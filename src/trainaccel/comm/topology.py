@@ -121,9 +121,14 @@ def discover(process_group: dist.ProcessGroup | None = None) -> Topology:
 _held: list[int] = [0]  # reductions built over the cached hierarchy's groups and not released (`hold`, `release`)
 
 
+def _cached_hierarchy(topology: Topology) -> bool:
+    """Whether `topology` is the cached one with the hierarchy's groups (the others' groups are not counted)."""
+    return bool(_cache) and _cache[0][1] is topology and topology.intra_group is not None
+
+
 def hold(topology: Topology) -> None:
     """A reduction over `topology`'s groups was built (on every rank alike): they stay while any is held."""
-    if _cache and _cache[0][1] is topology and topology.intra_group is not None:
+    if _cached_hierarchy(topology):
         _held[0] += 1
 
 
@@ -131,7 +136,7 @@ def release(topology: Topology) -> bool:
     """A reduction `hold` counted is no longer used (autotune's losing candidates; every rank alike): once none is,
     the hierarchy's groups are destroyed (on NCCL, a communicator and its buffers each), and built again at the
     next `discover()` that needs them. Returns whether they were destroyed."""
-    if not (_cache and _cache[0][1] is topology and topology.intra_group is not None):
+    if not _cached_hierarchy(topology):
         return False
     _held[0] -= 1
     if _held[0] > 0:
