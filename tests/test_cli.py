@@ -205,3 +205,25 @@ def test_each_command_shows_its_own_usage(argv):
     proc = run([*trainaccel_cmd(), *argv, "--help"], timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: trainaccel {' '.join(argv)} "), proc.stdout[:300]
+
+
+def test_run_help_shows_the_options_by_topic_before_torchruns_with_choices_and_defaults(capsys):
+    from trainaccel.config import TOPICS, Config
+    from trainaccel.launch.run import main as run_main
+
+    with pytest.raises(SystemExit):
+        run_main(["--help"])
+    text = capsys.readouterr().out
+    titles = [*(f"\n{topic}:\n" for topic in TOPICS), "\ntorchrun's options (as torchrun takes them):\n"]
+    places = [text.find(title) for title in titles]
+    assert -1 not in places and places == sorted(places), places
+    assert sorted(n for names in TOPICS.values() for n in names) == sorted(Config.option_names())
+    for topic, names in TOPICS.items():
+        section = text[text.find(f"\n{topic}:\n") :]
+        for name in names:
+            assert Config.flag_name(name) in section.split("\n\n")[0], (topic, name)
+    assert "--outer-compression {none,bf16,fp16,int8,fp4}" in text and "--sync-every {auto}|N" in text
+    assert "VALUE" not in text.replace("--amp-policy VALUE", "")
+    flat = " ".join(text.split())
+    assert "[default: none]" in flat and "[a number in (0, 1]; default: 0.01]" in flat
+    assert "--sync_every" not in text  # the underscore spelling works but is not shown twice

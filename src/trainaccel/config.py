@@ -7,9 +7,11 @@ This module must stay free of torch so that `import trainaccel` is cheap.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
@@ -74,6 +76,8 @@ def _choice(
         return value
 
     parse.accepted = accepted  # type: ignore[attr-defined]
+    literal = "Literal[" + ", ".join(f'"{c}"' for c in [*choices, *(a.upper() for a in aliases)]) + "]"
+    parse.annotation = f"{literal} | bool" if booleans else literal  # type: ignore[attr-defined]
     return parse
 
 
@@ -90,6 +94,7 @@ def _positive_float_or_unset(name: str, raw: Any) -> float | None:
 
 
 _positive_float_or_unset.accepted = "a number > 0 (MiB)"  # type: ignore[attr-defined]
+_positive_float_or_unset.annotation = "float"  # type: ignore[attr-defined]
 
 
 def _path_or_unset(name: str, raw: Any) -> str | None:
@@ -101,6 +106,7 @@ def _path_or_unset(name: str, raw: Any) -> str | None:
 
 
 _path_or_unset.accepted = "a file path (empty: off)"  # type: ignore[attr-defined]
+_path_or_unset.annotation = "str | os.PathLike[str]"  # type: ignore[attr-defined]
 
 
 def _number(
@@ -129,6 +135,7 @@ def _number(
         return value
 
     parse.accepted = accepted  # type: ignore[attr-defined]
+    parse.annotation = kind.__name__  # type: ignore[attr-defined]
     return parse
 
 
@@ -147,6 +154,7 @@ def _keyword_or(
             raise ConfigError(name, raw, accepted) from None
 
     parse.accepted = accepted  # type: ignore[attr-defined]
+    parse.annotation = "Literal[" + ", ".join(f'"{k}"' for k in keywords) + "] | " + number.annotation  # type: ignore[attr-defined]
     return parse
 
 
@@ -167,6 +175,7 @@ def _ratio_or_unset(name: str, raw: Any) -> float | None:
 
 
 _ratio_or_unset.accepted = "a number in (0, 1], or empty (off)"  # type: ignore[attr-defined]
+_ratio_or_unset.annotation = "float"  # type: ignore[attr-defined]
 
 
 _momentum = _keyword_or("auto", _number(float, 0.0, 1.0), "auto, or a number in [0, 1]")
@@ -189,6 +198,18 @@ def _amp_policy(name: str, raw: Any) -> str:
 
 
 _amp_policy.accepted = "always, auto[:setting=value,...] or time[:setting=value,...]"  # type: ignore[attr-defined]
+_amp_policy.annotation = "str"  # type: ignore[attr-defined]
+
+
+def _metavar(annotation: str) -> str:
+    """A flag's placeholder from its parser's annotation: `{a,b}` for choices, N for integers, X for numbers."""
+    words = {"int": "N", "float": "X", "str": "VALUE", "str | os.PathLike[str]": "PATH"}
+    literal = re.match(r"Literal\[(.*?)\](?: \| (.*))?$", annotation)
+    if not literal:
+        return words[annotation]
+    choices = "{" + ",".join(c.strip().strip('"') for c in literal.group(1).split(",")) + "}"
+    rest = literal.group(2)
+    return choices if rest in (None, "bool") else f"{choices}|{words[rest]}"
 
 
 def _option(
@@ -203,6 +224,40 @@ def _option(
     return dataclasses.field(
         default=default, metadata={"parse": parse, "help": help, "aliases": aliases, "switch": switch}
     )
+
+
+# `trainaccel run --help` and docs/options.md show the options by what they act on, in this order; each option in one.
+TOPICS: dict[str, tuple[str, ...]] = {
+    "per-step communication": (
+        "compression",
+        "intra_compression",
+        "hierarchical",
+        "compression_ratio",
+        "compression_ratio_max",
+        "compression_momentum",
+        "compression_warmup",
+        "fp16_scale",
+        "powersgd_rank",
+        "local_steps",
+        "bucket_mb",
+        "autotune",
+    ),
+    "low-communication training": (
+        "sync_every",
+        "sync_scope",
+        "sync_warmup",
+        "sync_fragments",
+        "sync_overlap",
+        "outer_optimizer",
+        "outer_lr",
+        "outer_momentum",
+        "outer_compression",
+    ),
+    "sharding": ("shard", "shard_min_params"),
+    "precision and compile": ("amp", "amp_policy", "compile", "compile_preset"),
+    "monitoring": ("metrics_every", "straggler_every", "straggler_threshold", "timeline", "log_level"),
+    "faults": ("on_lost_replica", "nan_check", "collective_timeout", "hang_timeout"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,17 +493,22 @@ class Config:
         return "--" + option.replace("_", "-")
 
     @classmethod
-    def add_arguments(cls, group: Any) -> None:
-        """Add a flag per option to an argparse parser or group (dest `trainaccel_<option>`)."""
-        for f in dataclasses.fields(cls):
-            flags = [cls.flag_name(f.name), *(["--" + f.name] if "_" in f.name else []), *f.metadata["aliases"]]
-            kwargs: dict[str, Any] = {"dest": f"trainaccel_{f.name}", "help": cls.help_for(f.name)}
-            if f.metadata["switch"] is not None:
-                # A bare switch: an optional value would swallow the training script's name.
-                kwargs.update(action="store_const", const=f.metadata["switch"])
-            else:
-                kwargs["metavar"] = "VALUE"
-            group.add_argument(*flags, **kwargs)
+    def add_arguments(cls, parser: Any, suffix: str = "") -> None:
+        """Add a flag per option to an argparse parser, in a group per topic (dest `trainaccel_<option>`)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for topic, names in TOPICS.items():
+            group = parser.add_argument_group(topic + suffix)
+            for name in names:
+                f = fields[name]
+                kwargs: dict[str, Any] = {"dest": f"trainaccel_{name}"}
+                if f.metadata["switch"] is not None:
+                    # A bare switch: an optional value would swallow the training script's name.
+                    kwargs.update(action="store_const", const=f.metadata["switch"])
+                else:
+                    kwargs["metavar"] = _metavar(f.metadata["parse"].annotation)
+                group.add_argument(cls.flag_name(name), *f.metadata["aliases"], help=cls.help_for(name), **kwargs)
+                if "_" in name:  # --sync_every works as torchrun's --nproc_per_node does; the help shows one spelling
+                    group.add_argument("--" + name, help=argparse.SUPPRESS, **kwargs)
 
     @classmethod
     def flags_from(cls, args: Any) -> dict[str, Any]:
@@ -458,8 +518,11 @@ class Config:
     @classmethod
     def help_for(cls, option: str) -> str:
         f = next(f for f in dataclasses.fields(cls) if f.name == option)
-        accepted = getattr(f.metadata["parse"], "accepted", "")
-        return f"{f.metadata['help']} [{accepted}]"
+        default = "empty" if f.default is None else f.default
+        parse = f.metadata["parse"]
+        # Choices alone are in the flag's placeholder already; ranges and keywords-or-numbers are not.
+        choices_only = re.fullmatch(r"Literal\[[^]]*\]( \| bool)?", parse.annotation)
+        return f"{f.metadata['help']} [{'' if choices_only else parse.accepted + '; '}default: {default}]"
 
     @classmethod
     def resolve(

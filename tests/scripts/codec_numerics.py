@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainaccel.comm import get_codec, register
+from trainaccel.comm import register
+from trainaccel.comm.codecs import get_codec
 
 N, ROWS, COLS = 10_001, 64, 48  # 13,073 elements: not divisible by the 2 workers of a node
 

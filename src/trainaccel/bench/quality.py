@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the results, loss curves included, as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the validation loss curves (needs trainaccel[plot])")
-    Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
+    Config.add_arguments(parser, suffix=" (trainaccel arm)")
 
 
 def _check(args: argparse.Namespace) -> None:

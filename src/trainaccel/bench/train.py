@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart of the arms (needs trainaccel[plot])")
-    Config.add_arguments(parser.add_argument_group("trainaccel options for the trainaccel arm"))
+    Config.add_arguments(parser, suffix=" (trainaccel arm)")
 
 
 def parse_arms(text: str | None, accepted: tuple[str, ...], what: str = "") -> list[str]:

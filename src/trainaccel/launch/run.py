@@ -30,19 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
         "Start a distributed training script with trainaccel's acceleration, unchanged. "
         f"Takes every torchrun flag; trainaccel options may also come from {ENV_PREFIX}<OPTION> env."
     )
-    Config.add_arguments(parser.add_argument_group("trainaccel options"))
-    hosts = parser.add_argument_group("host lists (mpirun style)")
-    hosts.add_argument("-np", "--np", dest="np", type=int, help="total number of processes")
-    hosts.add_argument("-H", "--hosts", dest="hosts", help="hosts with slots, e.g. host1:8,host2:8")
-    hosts.add_argument("--hostfile", help="file of `host slots=N` lines")
-    parser.add_argument("--dry-run", "--dry_run", action="store_true", help="print the torchrun command(s) and exit")
-    parser.add_argument(
+    parser.usage = "trainaccel run [trainaccel options] [torchrun options] training_script [script args ...]"
+    torchrun_group = parser._action_groups[1]  # argparse has no public handle on the group of plain options
+    torchrun_group.title = "torchrun's options (as torchrun takes them)"
+    Config.add_arguments(parser)
+    launch = parser.add_argument_group("host lists (mpirun style) and this launch")
+    launch.add_argument("-np", "--np", dest="np", type=int, metavar="N", help="total number of processes")
+    launch.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS", help="hosts with slots, e.g. host1:8,host2:8")
+    launch.add_argument("--hostfile", metavar="PATH", help="file of `host slots=N` lines")
+    launch.add_argument("--dry-run", "--dry_run", action="store_true", help="print the torchrun command(s) and exit")
+    launch.add_argument(
         "--use-env",
         "--use_env",
         action="store_true",
         default=True,
         help="accepted for torch.distributed.launch users; LOCAL_RANK is always in the environment",
     )
+    # trainaccel's topics first, torchrun's own flags last: they are torchrun's, documented there.
+    parser._action_groups.remove(torchrun_group)
+    parser._action_groups.append(torchrun_group)
     return parser
 
 
