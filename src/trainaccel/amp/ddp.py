@@ -151,7 +151,7 @@ def enable_amp(observer: StepObserver, config: Config) -> AmpState | None:
     if device_type == "cpu" and not native_cpu_support(dtype):
         warn_once(
             f"amp={config.amp}: this CPU has no native {dtype} matrix instructions (AVX512-BF16 or AMX); "
-            "autocast on it is likely slower than float32 (see docs/BENCHMARKS.md)"
+            "autocast on it is likely slower than float32 (see docs/results.md#mixed-precision-and-compilation)"
         )
     if policy is not None:
         _observe_training_loop()

@@ -36,7 +36,7 @@ MEASURING_CODEC = "none"
 # or 2.7 s at 100 Mbit/s between 2 replicas), scaled to the model by `choose()`, then syncs the round in the setting
 # chosen. A 1B-parameter model's whole-model sync in full precision would wait for 4 GB, 5 minutes at 100 Mbit/s.
 # Smaller models measure by their sync: on the text task (1.8M) a 2 MiB probe chose bf16 over int8 more often at
-# 500 Mbit/s and ended worse (docs/BENCHMARKS.md, "A smaller probe").
+# 500 Mbit/s and ended worse (docs/results.md#why-auto-chooses-as-it-does).
 PROBE_ELEMENTS = 8 * 2**20
 PROBE_SHARE = 8  # the probe is this fraction of the model: ResNet-50's 12.2 MiB waits 1.1 s at 100 Mbit/s, not 2.8
 # Before the timed probe, an untimed exchange of this many of its zeros: it connects the peers (NCCL does on first use),
@@ -153,7 +153,7 @@ def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: in
         # A step of overlap hides the syncs behind training at the price of one stale step; where they take under
         # half the share unhidden it buys under 5% of the time. On a GPT-2 under gradient accumulation (syncs 2% of
         # the time at H=1; 11 seeds) auto ended -2.0% against plain DDP in the median, +5.2% at worst, without it;
-        # -0.7% and +10.8% with it (docs/BENCHMARKS.md, "auto under gradient accumulation").
+        # -0.7% and +10.8% with it (docs/results.md#syncing-every-few-steps-at-500-and-100-mbits).
         unhidden = _share(sync_s, step, interval_within(sync_s, step, max(fragments, 1))[0])
         overlap = 1 if unhidden > SHARE / 2 else 0
     interval, why = interval_within(sync_s, step, max(fragments, overlap, 1))

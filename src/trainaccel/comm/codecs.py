@@ -510,7 +510,7 @@ def get_codec(
     if fp16_scale == "auto":
         # dynamic's exact retry reads each sum on the host: free on the CPU, a stall of the device's queue
         # elsewhere. peak reads nothing, for one small collective more per sum (on the CPU it costs more than
-        # the read: docs/BENCHMARKS.md, "fp16's scale from the peak").
+        # the read: docs/results.md#which-per-step-codec-keeps-quality).
         fp16_scale = "peak" if device is not None and device.type != "cpu" else "dynamic"
     adaptive = AdaptiveRatio(ratio, ratio_max) if ratio_max is not None and name in ("topk", "randomk") else None
     if name == "none":

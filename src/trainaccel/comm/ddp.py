@@ -134,9 +134,9 @@ def build_autotuner(
 
 
 DENSE_CODECS = ("none", "fp16", "bf16")
-# hierarchical=auto turns the hierarchy on for Gloo only, where it was measured faster over
-# emulated nodes (docs/BENCHMARKS.md). NCCL's own rings and trees already follow the topology, and
-# the two-level form was not measured against them: there `on`, or autotune=on, which times both.
+# hierarchical=auto turns the hierarchy on for Gloo only, where it was measured faster over emulated nodes
+# (docs/results.md#one-replica-per-node-and-the-two-level-allreduce). NCCL's own rings and trees already follow the
+# topology, and the two-level form was not measured against them: there `on`, or autotune=on, which times both.
 
 
 def build_state(

@@ -50,15 +50,15 @@ from trainaccel.context import info_once, warn_once
 from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
 from trainaccel.resilience import failfast, membership
 
-# What the one-time warning says each scope was measured to cost (docs/BENCHMARKS.md: 300 steps, AdamW, 2 nodes x 2).
+# What the one-time warning says each scope was measured to cost: 300 steps, AdamW, 2 nodes x 2 workers, median of 3
+# seeds (docs/results.md#one-replica-per-node-and-the-two-level-allreduce).
 _MEASURED = {
     "node": "each node's replica steps on its own workers' gradients between syncs. Measured on a short run (300 "
-    "steps, 2 nodes x 2 workers, AdamW: docs/BENCHMARKS.md) it ended 0.2-0.4% above plain DDP's validation loss "
-    "syncing every 2 steps (median of 3 seeds; up to 1.8% in one), 0.7% every 4 after 30 warm-up steps",
-    "rank": "each worker steps on its own gradients between syncs. Measured on a short run (300 steps, 4 workers, "
-    "AdamW: docs/BENCHMARKS.md) it ended 0.9-1.8% above plain DDP's validation loss syncing every 2-4 steps after 30 "
-    "warm-up steps (sync_warmup), 1.8% every 2 without, 3.5-4.4% every 4, 8% every 10 (one replica per node, "
-    "sync_scope=node on several nodes, kept closer)",
+    "steps, 2 nodes x 2 workers, AdamW: docs/results.md) it ended 0.2-0.4% above plain DDP's validation loss "
+    "syncing every 2 steps (median of 3 seeds), 0.7% every 4 after 30 warm-up steps",
+    "rank": "each worker steps on its own gradients between syncs. Measured on a short run (300 steps, 2 nodes x 2 "
+    "workers, AdamW: docs/results.md) it ended 1.8% above plain DDP's validation loss syncing every 2 steps (median "
+    "of 3 seeds), where one replica per node (sync_scope=node on several nodes) ended 0.2-0.4% above it",
 }
 # index -> instance, in creation order (the same on every rank); each lives as long as its module (its hooks hold it)
 _live: weakref.WeakValueDictionary[int, DiLoCo] = weakref.WeakValueDictionary()

@@ -101,11 +101,12 @@ def attach(observer: StepObserver, state: Any, compression: str, momentum: float
 def quality_warning(compression: str, optimizer: torch.optim.Optimizer) -> str | None:
     """Why `compression` will likely end with a worse validation loss than plain DDP under `optimizer`, or None.
 
-    From `trainaccel bench quality` (docs/BENCHMARKS.md): a momentum-free SGD is the case error feedback is
-    made for; with momentum or an adaptive optimizer, the sparse codecs lost more than 2% in every trial.
+    From `trainaccel bench quality` (docs/results.md#which-per-step-codec-keeps-quality): a momentum-free SGD is the
+    case error feedback is made for; with momentum or an adaptive optimizer, the sparse codecs lost more than 2% in
+    every trial.
     """
     kind = type(optimizer).__name__
-    keep = "compression=fp16 or bf16 keep quality (docs/BENCHMARKS.md)"
+    keep = "compression=fp16 or bf16 keep quality (docs/results.md#which-per-step-codec-keeps-quality)"
     if compression == "powersgd":
         if kind in ADAPTIVE or (isinstance(optimizer, torch.optim.SGD) and _momentum_of(optimizer)["momentum"]):
             return (

@@ -484,7 +484,7 @@ class OuterSync:
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
             if auto.syncs_after_choosing:  # the round's change, synced now in the setting chosen and waited for: the
                 # replicas average after the first round, as when a whole-model sync measures. Overlapped by a step,
-                # this first sync ended seeds 2-3 points worse (docs/BENCHMARKS.md, "DDP's broadcast measures").
+                # this first sync ended seeds 2-3 points worse (docs/results.md#why-auto-chooses-as-it-does).
                 for fragment in self._fragments:
                     self._begin(fragment, outer=True, wait=True)
             return
