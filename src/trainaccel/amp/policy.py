@@ -44,15 +44,16 @@ class PrecisionPolicy:
       is None.
     - `auto` (the default): all three, per step.
 
-    >>> policy = PrecisionPolicy("time", start=2, end=3)
-    >>> [policy.enabled(epoch=e) for e in range(5)]
-    [False, False, True, True, False]
-    >>> policy = PrecisionPolicy("lr", start=0, hold=2)
-    >>> [policy.enabled(epoch=e, lr=lr) for e, lr in enumerate([0.1, 0.1, 0.01, 0.01, 0.01])]
-    [True, True, False, False, True]
-    >>> policy = PrecisionPolicy("loss", hold=2, per="step")
-    >>> [policy.enabled(step=s, loss=l) for s, l in enumerate([1.0, 0.9, 5.0, 0.8, 0.8, 0.8])]
-    [True, True, False, False, True, True]
+    Examples:
+        >>> policy = PrecisionPolicy("time", start=2, end=3)
+        >>> [policy.enabled(epoch=e) for e in range(5)]
+        [False, False, True, True, False]
+        >>> policy = PrecisionPolicy("lr", start=0, hold=2)
+        >>> [policy.enabled(epoch=e, lr=lr) for e, lr in enumerate([0.1, 0.1, 0.01, 0.01, 0.01])]
+        [True, True, False, False, True]
+        >>> policy = PrecisionPolicy("loss", hold=2, per="step")
+        >>> [policy.enabled(step=s, loss=l) for s, l in enumerate([1.0, 0.9, 5.0, 0.8, 0.8, 0.8])]
+        [True, True, False, False, True, True]
     """
 
     def __init__(
