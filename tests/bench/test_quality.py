@@ -110,7 +110,7 @@ def test_a_table_without_plain_ddp_shows_no_target_instead_of_failing(capsys):
     run = {"seconds": 2.0, "curve": [[0, 0.0, 3.0, 0.1], [10, 2.0, 2.0, 0.3]], "final_validation_loss": 2.0}
     run.update(final_validation_accuracy=0.3, bytes_per_step=0.0, comm_hook=None, parameters=3)
     summary = summarize({"local": [run], "variant": [dict(run, seconds=4.0)]})
-    render(summary, "no baseline", "accuracy")
+    render(summary, "no baseline", "accuracy", {})
     out = capsys.readouterr().out
     assert "variant" in out and "50%" in out and "not reached" not in out
 
@@ -339,6 +339,6 @@ def test_a_plots_lines_are_named_in_words():
     assert arm_words("baseline") == "plain DDP"
     assert arm_words("torch-fp16") == "DDP + torch's fp16_compress_hook"
     assert arm_words("local") == "no communication (the ceiling)"
-    assert arm_words("auto", {"sync_every": "auto"}) == "trainaccel --sync-every auto"
+    assert arm_words("auto", {"sync_every": "auto"}) == "trainaccel run --sync-every auto"
     both = {"sync_every": "4", "outer_compression": "fp4"}
-    assert arm_words("s4fp4", both) == "trainaccel --sync-every 4 --outer-compression fp4"
+    assert arm_words("s4fp4", both) == "trainaccel run --sync-every 4 --outer-compression fp4"

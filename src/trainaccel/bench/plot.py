@@ -73,7 +73,7 @@ def arm_words(arm: str, options: dict[str, str] | None = None) -> str:
     if arm in ARM_WORDS:
         return ARM_WORDS[arm]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (options or {}).items())
-    return f"trainaccel {flags}".strip()
+    return f"trainaccel run {flags}".strip()
 
 
 def plot_quality(

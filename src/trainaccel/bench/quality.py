@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trainaccel.bench.emulate import HELP as EMULATE_HELP
@@ -26,7 +27,7 @@ from trainaccel.bench.jobs import (
     report_header,
     run_workers,
 )
-from trainaccel.bench.plot import plot_quality
+from trainaccel.bench.plot import ARM_WORDS, plot_quality
 from trainaccel.bench.tasks import TASKS
 from trainaccel.bench.train import arm_settings, parse_arms
 from trainaccel.bench.worker import ARMS
@@ -38,7 +39,7 @@ WORKER_MODULE = "trainaccel.bench.quality_worker"
 TOLERANCE = 0.02
 # Arms of this bench only (run with --arms): zero-code trainaccel with these options, sync_scope as auto picks.
 OWN_ARMS = {"auto": {"sync_every": "auto"}}
-LABELS = {"auto": "auto (sync_every=auto)"}
+LABELS = {"auto": "trainaccel run --sync-every auto"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +261,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, str] | None = None) -> None:
+def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -274,7 +275,7 @@ def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, 
         to_target = s.get("median_seconds_to_target")
         local = arm == "local"
         table.add_row(
-            (labels or {}).get(arm, arm),
+            labels.get(arm) or ARM_WORDS.get(arm, arm),
             f"{s['median_seconds']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
             "-" if share is None else f"{share:.0%}",
@@ -301,7 +302,8 @@ def _batches(replicas: list[list[dict]]) -> str:
     return f"; batch per worker {', '.join(sequences)} (changed at steps {min(steps)} to {max(steps)})"
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, dict[str, str]], None] = render) -> int:
+    """Run the arms; `show(summary, title, metric, labels)` prints the table (the demo passes its own)."""
     try:
         _check(args)
         arms = parse_arms(args.arms, (*ARMS, *OWN_ARMS)) if args.arms is not None else parse_arms(None, ARMS)
@@ -354,7 +356,7 @@ def main(args: argparse.Namespace) -> int:
         f"median of {args.repeats}; target loss = plain DDP's + {TOLERANCE:.0%}"
         + (f"; trainaccel {' '.join(f'{k}={v}' for k, v in options.items())}" if options else "")
     )
-    render(summary, title, task.metric, labels)
+    show(summary, title, task.metric, labels)
     for arm, s in summary.items():
         if "replicas" in s:
             rejoined = sorted({e["rejoined_at"] for ends in s["replicas"] for e in ends if e["rejoined_at"]})
