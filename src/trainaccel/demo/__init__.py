@@ -84,13 +84,11 @@ def why_no_slow_link() -> str | None:
 
 def slow_link(args: argparse.Namespace) -> int:
     """`bench quality`'s digits task on an emulated 2-node slow link: time and validation loss per arm."""
-    from rich.console import Console
-
     from trainaccel.bench import quality
 
     steps = args.steps or SLOW_LINK_STEPS
-    console = Console()
-    console.print(
+    # Plain prints for the prose: the terminal wraps it, and the closing command stays on one line to copy.
+    print(
         f"trainaccel demo: one DDP script, unchanged, trains a small image classifier (UCI handwritten digits, {steps} "
         "steps) on 2 emulated nodes of one worker each, joined by a 500 Mbit/s link, four ways: under "
         "`trainaccel run --sync-every auto`, with torch's own fp16 hook, as plain DDP, and with no communication at "
@@ -102,7 +100,7 @@ def slow_link(args: argparse.Namespace) -> int:
     argv += ["--json", args.json] if args.json else []
     code = quality.main(parser.parse_args(argv), show=_show)
     if code == 0:
-        console.print(
+        print(
             "\nThe same job with repeats and medians, and other settings: `trainaccel bench quality` "
             "(docs/results.md). Your own script, with its examples/s and step time logged every 100 steps:\n"
             f"  {OWN_SCRIPT_COMMAND}"
@@ -136,7 +134,7 @@ def _show(summary: dict[str, dict], title: str, metric: str, labels: dict[str, s
     console = Console(width=max(120, Console().width))  # the arms' names in one line each
     console.print(table)
     print_auto_lines(console, summary)
-    console.print(
+    print(
         "seconds: training time (validation excluded); of the ceiling: the no-communication run's time over the "
         "arm's; sent/step: bytes each worker sends per step. sync_every=auto changes what is trained (each node "
         "steps alone between syncs), so compare its validation loss with plain DDP's."
