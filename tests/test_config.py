@@ -84,11 +84,46 @@ def test_values_are_normalised():
         ),
         ({"nan_check": "loud"}, {}, {}, "invalid nan_check='loud' (from keyword); accepted: off, warn, raise"),
         (
-            {"on_lost_replica": "continue"},
+            {"on_lost_replica": "continue", "compression": "fp16"},
             {},
             {},
-            "invalid on_lost_replica='continue'; accepted: stop without sync_every: under per-step DDP no replica can "
-            "go on without every gradient",
+            "invalid compression='fp16'; accepted: none with on_lost_replica=continue without sync_every (its "
+            "exchange among the replicas present is exact; sync_every carries outer codecs)",
+        ),
+        (
+            {"on_lost_replica": "continue", "hierarchical": "on"},
+            {},
+            {},
+            "invalid hierarchical='on'; accepted: auto, off with on_lost_replica=continue without sync_every (its "
+            "exchange is flat)",
+        ),
+        (
+            {"on_lost_replica": "continue", "local_steps": 2},
+            {},
+            {},
+            "invalid local_steps=2; accepted: 1 with on_lost_replica=continue without sync_every (use the script's "
+            "no_sync())",
+        ),
+        (
+            {"on_lost_replica": "continue", "autotune": "on"},
+            {},
+            {},
+            "invalid autotune='on'; accepted: off with on_lost_replica=continue without sync_every (it times DDP's "
+            "reductions)",
+        ),
+        (
+            {"on_lost_replica": "continue", "nan_check": "warn"},
+            {},
+            {},
+            "invalid nan_check='warn'; accepted: off with on_lost_replica=continue without sync_every (it checks "
+            "trainaccel's per-step hook)",
+        ),
+        (
+            {"on_lost_replica": "continue", "timeline": "t.json"},
+            {},
+            {},
+            "invalid timeline='t.json'; accepted: empty with on_lost_replica=continue without sync_every (it traces "
+            "trainaccel's per-step hook)",
         ),
         (
             {"on_lost_replica": "continue", "sync_every": 4, "shard": "hybrid"},

@@ -109,9 +109,10 @@ def init(
         sync_overlap: under sync_every, optimizer steps a sync's exchange runs behind training before its result is
             applied (the steps taken meanwhile are kept on top of it); 0: each sync waits for its exchange. Accepted: an
             integer >= 0; default: 0.
-        on_lost_replica: under sync_every, what the other replicas do when one dies, hangs or is cut off: stop (every
-            node's job ends, as under per-step DDP) or continue (they leave it out from the next sync on and train on).
-            Accepted: stop, continue; default: stop.
+        on_lost_replica: what the other replicas do when one dies, hangs or is cut off: stop (every node's job ends, as
+            under plain DDP) or continue (they leave it out and train on: under sync_every from the next sync, else from
+            the step whose gradient exchange it missed, which they do again among themselves). Accepted: stop, continue;
+            default: stop.
         outer_optimizer: the update applied at each sync of sync_every: average (the replicas' mean; outer_lr and
             outer_momentum unused), nesterov (SGD with Nesterov momentum on the averaged change, as DiLoCo's long runs),
             sgd (heavy-ball momentum). Accepted: average, nesterov, sgd; default: average.

@@ -358,8 +358,9 @@ class Config:
     on_lost_replica: str = _option(
         "stop",
         _choice("stop", "continue"),
-        "under sync_every, what the other replicas do when one dies, hangs or is cut off: stop (every node's job "
-        "ends, as under per-step DDP) or continue (they leave it out from the next sync on and train on)",
+        "what the other replicas do when one dies, hangs or is cut off: stop (every node's job ends, as under plain "
+        "DDP) or continue (they leave it out and train on: under sync_every from the next sync, else from the step "
+        "whose gradient exchange it missed, which they do again among themselves)",
     )
     outer_optimizer: str = _option(
         "average",
@@ -574,11 +575,16 @@ class Config:
                     f"at most sync_every={every}: a fragment's sync is applied by the time its next one starts",
                 )
         if config.on_lost_replica == "continue" and not config.sync_every:
-            raise ConfigError(
-                "on_lost_replica",
-                config.on_lost_replica,
-                "stop without sync_every: under per-step DDP no replica can go on without every gradient",
-            )
+            # Per-step survivors average each step's gradients among the replicas present, flat and in float32.
+            for option, (off, why) in _PER_STEP_SURVIVORS_ACCEPT.items():
+                value = getattr(config, option)
+                if value not in off:
+                    shown = ", ".join("empty" if a is None else str(a) for a in off)
+                    raise ConfigError(
+                        option,
+                        value,
+                        f"{shown} with on_lost_replica=continue without sync_every ({why})",
+                    )
         if config.shard != "off":
             _check_shard(config)
         if config.sync_every:
@@ -646,6 +652,20 @@ def env_setting(name: str, env: Mapping[str, str] | None = None) -> str | None:
     if name not in ENV_SETTINGS:
         raise KeyError(f"unknown trainaccel setting {name!r}; known: {', '.join(ENV_SETTINGS)}")
     return (os.environ if env is None else env).get(Config.env_name(name)) or None
+
+
+# on_lost_replica=continue without sync_every: each step's exchange among the replicas present (comm/survivors.py)
+# is flat and exact; what acts on trainaccel's per-step hook or on DDP's own exchange is refused, each with why.
+_PER_STEP_SURVIVORS_ACCEPT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "compression": (("none",), "its exchange among the replicas present is exact; sync_every carries outer codecs"),
+    "intra_compression": (("none",), "its exchange is flat"),
+    "hierarchical": (("auto", "off"), "its exchange is flat"),
+    "local_steps": ((1,), "use the script's no_sync()"),
+    "autotune": (("off",), "it times DDP's reductions"),
+    "nan_check": (("off",), "it checks trainaccel's per-step hook"),
+    "straggler_every": ((0,), "it times trainaccel's per-step hook"),
+    "timeline": ((None,), "it traces trainaccel's per-step hook"),
+}
 
 
 # Under shard, FSDP2 reduces the gradients: options of DDP's gradient exchange are refused, each with why.

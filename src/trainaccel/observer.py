@@ -57,6 +57,7 @@ class StepObserver:
         "stragglers": "the StragglerDetector of straggler_every, or None",
         "local_steps": "the LocalSteps holding this model's reductions back, or None",
         "diloco": "the DiLoCo of sync_every replacing the model's gradient exchange, or None",
+        "survivors": "per-step DDP under on_lost_replica=continue: its exchange among the replicas present, or None",
         "_subscribers": "event -> callbacks, called in subscription order",
         "_undo": "what to undo when detached: hook removals, the model's patched forward",
         "_params": "ids of the model's parameters: which optimizers step it",
@@ -68,7 +69,7 @@ class StepObserver:
     def __init__(self, model: torch.nn.Module, compiled: bool):
         self.model = weakref.ref(model)
         self.step, self.optimizer_steps, self.entered, self.compiled = 0, 0, 0.0, compiled
-        self.comm = self.amp = self.meter = self.stragglers = self.local_steps = self.diloco = None
+        self.comm = self.amp = self.meter = self.stragglers = self.local_steps = self.diloco = self.survivors = None
         self._subscribers: dict[str, list[Callable[..., Any]]] = {event: [] for event in EVENTS}
         self._params = frozenset(id(p) for p in model.parameters())
         self._backward_due = False

@@ -135,13 +135,13 @@ def test_what_would_wait_for_a_lost_replica_at_every_step_is_refused_in_one_line
 
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     with pytest.raises(ValueError, match="DDP all-reduces its map of used parameters over every worker"):
-        diloco._refuse_what_reaches_other_replicas(DDP(net, find_unused_parameters=True), "node")
-    diloco._refuse_what_reaches_other_replicas(DDP(net, find_unused_parameters=True), "rank")  # its exchange is off
+        diloco.refuse_what_reaches_other_replicas(DDP(net, find_unused_parameters=True), "node")
+    diloco.refuse_what_reaches_other_replicas(DDP(net, find_unused_parameters=True), "rank")  # its exchange is off
     synced = nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8))
-    diloco._refuse_what_reaches_other_replicas(synced, "rank")  # one worker: the group is this replica
+    diloco.refuse_what_reaches_other_replicas(synced, "rank")  # one worker: the group is this replica
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # as in a job of two replicas
     with pytest.raises(ValueError, match=r"SyncBatchNorm '1' over ranks \[0, 1\]: .* keep plain BatchNorm"):
-        diloco._refuse_what_reaches_other_replicas(synced, "rank")
+        diloco.refuse_what_reaches_other_replicas(synced, "rank")
 
 
 @pytest.mark.usefixtures("one_rank")

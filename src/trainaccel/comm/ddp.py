@@ -43,6 +43,12 @@ def register(ddp_model: DistributedDataParallel, config: Config | None = None, *
             f"register() adds a per-step gradient exchange, and sync_every={config.sync_every} switches it off: "
             "use trainaccel.comm.DiLoCo(model, optimizer, sync_every=...) for low-communication training"
         )
+    if config.on_lost_replica == "continue":
+        from trainaccel.comm import survivors  # (it builds on the membership of the syncs)
+
+        observe(ddp_model, compiled=config.compile == "on")
+        failfast.start_heartbeat()
+        return survivors.attach(ddp_model, config)
     delayed = getattr(ddp_model, "_delay_all_reduce_params", None)
     if delayed:
         # DDP all-reduces them from a hook of its own, outside the reducer a communication hook replaces.
@@ -203,6 +209,8 @@ def bytes_sent(ddp_model: DistributedDataParallel) -> int:
     observer = observer_of(ddp_model)
     if observer is not None and observer.diloco is not None:
         return observer.diloco.bytes_sent
+    if observer is not None and observer.survivors is not None:
+        return observer.survivors.bytes_sent
     state = comm_state(ddp_model)
     return 0 if state is None or getattr(state, "builtin", False) else state.bytes_sent
 
@@ -220,6 +228,11 @@ def bytes_per_step(ddp_model: DistributedDataParallel, sent_before: int | None =
         if sent_before is not None and steps:
             return (diloco.bytes_sent - sent_before) / steps
         return diloco.bytes_sent / max(diloco.steps, 1)
+    survivors = observer.survivors if observer is not None else None
+    if survivors is not None:  # on_lost_replica=continue per step: what its exchanges sent
+        if sent_before is not None and steps:
+            return (survivors.bytes_sent - sent_before) / steps
+        return survivors.bytes_per_step()
     state = comm_state(ddp_model)
     if state is not None and not getattr(state, "builtin", False):
         if sent_before is not None and steps:

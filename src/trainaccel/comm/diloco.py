@@ -124,7 +124,7 @@ class DiLoCo:
         if isinstance(model, DistributedDataParallel):
             _refuse_ddp_settings(model, scope)
         if config.on_lost_replica == "continue" and isinstance(model, torch.nn.Module):
-            _refuse_what_reaches_other_replicas(model, scope)
+            refuse_what_reaches_other_replicas(model, scope)
         names: dict[int, str] = {}
         if isinstance(model, torch.nn.Module):
             self._module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -579,6 +579,9 @@ def members(model: torch.nn.Module) -> list[int]:
     diloco = _of(model)
     if diloco is not None:
         return diloco.members
+    observer = observer_of(model)
+    if observer is not None and observer.survivors is not None:  # per-step DDP under on_lost_replica=continue
+        return observer.survivors.membership.members
     return list(range(dist.get_world_size())) if dist.is_initialized() else [0]
 
 
@@ -631,7 +634,7 @@ def _refuse_ddp_settings(model: DistributedDataParallel, scope: str) -> None:
         )
 
 
-def _refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str) -> None:
+def refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str) -> None:
     """on_lost_replica=continue: collectives at every step over workers of other replicas would wait forever for a
     lost one (on NCCL until the watchdog ends every survivor); each refused in one line."""
     if isinstance(model, DistributedDataParallel) and scope == "node":
