@@ -55,7 +55,12 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
 
 @pytest.mark.parametrize(
     "how",
-    ["kill", "mid_step", pytest.param("freeze", marks=pytest.mark.resilience_full), "buffers"],
+    [
+        pytest.param("kill", marks=pytest.mark.resilience_full),  # CI: `buffers` loses rank 2 the same way
+        "mid_step",
+        pytest.param("freeze", marks=pytest.mark.resilience_full),
+        "buffers",
+    ],
 )
 def test_per_step_survivors_train_on_without_a_lost_replica_and_end_equal(tmp_path, how):
     (first, second), outputs, codes = launch(tmp_path, how)
