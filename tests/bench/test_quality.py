@@ -342,3 +342,107 @@ def test_a_plots_lines_are_named_in_words():
     assert arm_words("auto", {"sync_every": "auto"}) == "trainaccel run --sync-every auto"
     both = {"sync_every": "4", "outer_compression": "fp4"}
     assert arm_words("s4fp4", both) == "trainaccel run --sync-every 4 --outer-compression fp4"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sync_every": "4", "sync_fragments": "2", "outer_optimizer": "nesterov"}, None),
+        ({}, "needs --sync-every N, an integer >= 1 (got 0"),
+        ({"sync_every": "auto"}, "torchft has no sync_every=auto"),
+        ({"sync_every": "4", "sync_fragments": "3"}, "needs --sync-fragments to divide --sync-every"),
+        ({"sync_every": "4", "sync_overlap": "1"}, "no counterpart of --sync-overlap 1; it takes --sync-every"),
+        ({"sync_every": "4", "outer_compression": "int8"}, "no counterpart of --outer-compression int8"),
+    ],
+)
+def test_the_torchft_arm_runs_trainaccels_diloco_options_or_says_which_it_cannot(monkeypatch, options, message):
+    import importlib.util
+
+    from trainaccel.bench import peers
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: object())  # installed or not
+    if message is None:
+        settings = peers.torchft_settings(options)
+        assert settings == {
+            "sync_every": 4,
+            "sync_fragments": 2,
+            "outer_optimizer": "nesterov",
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "sync_scope": "auto",
+        }
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        peers.torchft_settings(options)
+
+
+def test_without_torchft_its_arm_is_refused_in_one_line_before_any_worker_starts(monkeypatch, capsys):
+    import importlib.util
+
+    from trainaccel.bench import jobs, quality
+    from trainaccel.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "torchft" else find_spec(name))
+    monkeypatch.setattr(jobs, "run_workers", lambda *a, **k: pytest.fail("a worker started"))
+    monkeypatch.setattr(quality, "interleaved_or_exit_code", lambda *a, **k: pytest.fail("a run started"))
+    assert main(["bench", "quality", "--arms", "baseline,torchft", "--sync-every", "4", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "trainaccel bench quality: error: the torchft arm needs torchft: pip install 'trainaccel[peers]'\n"
+
+
+def test_torchft_replica_groups_are_trainaccels_replicas():
+    from trainaccel.bench.emulate import Emulation
+    from trainaccel.bench.peers import replica_groups
+    from trainaccel.bench.plot import arm_words
+
+    nodes = Emulation(2, 2, "100mbit")
+    assert replica_groups(nodes, 2, "auto") == replica_groups(nodes, 2, "node") == [(0, 2), (1, 2)]
+    assert replica_groups(nodes, 2, "rank") == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert replica_groups(Emulation(2, 1, "100mbit"), 2, "auto") == [(0, 1), (1, 1)]
+    assert replica_groups(None, 3, "node") == [(0, 1)] * 3  # one machine: each worker a replica, as trainaccel's
+    assert arm_words("torchft", {"sync_every": "4"}) == "torchft's DiLoCo --sync-every 4"
+
+
+@pytest.mark.multiprocess
+def test_the_torchft_arm_trains_reports_like_the_others_and_leaves_nothing_behind(tmp_path):
+    pytest.importorskip("torchft", reason="the torchft arm needs torchft: pip install 'trainaccel[peers]'")
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    from trainaccel.bench.emulate import namespaces
+    from trainaccel.bench.faults import ProcessTree
+
+    out = tmp_path / "quality.json"
+    cmd = [*trainaccel_cmd(), "bench", "quality", "--task", "digits", "--steps", "8", "--eval-every", "4"]
+    cmd += ["--repeats", "1", "--arms", "trainaccel,torchft", "--sync-every", "2", "--outer-optimizer", "average"]
+    cmd += ["--json", out]
+    emulated = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+    if emulated:  # the lighthouse in node 0's namespace, a replica group per node
+        cmd += ["--emulate", "nodes=2,procs-per-node=1,link=1gbit"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    tree = ProcessTree([proc.pid])
+    try:
+        while proc.poll() is None:
+            tree.scan()
+            time.sleep(0.05)
+        stdout, stderr = proc.communicate(timeout=60)
+        left = tree.alive()
+    finally:
+        tree.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert left == [], f"processes left behind: {left}"
+    assert namespaces(f"ta{proc.pid}-") == []
+    report = json.loads(out.read_text())
+    assert report["arm_options"]["torchft"] == {"sync_every": "2", "outer_optimizer": "average"}
+    mine, theirs = report["arms"]["trainaccel"], report["arms"]["torchft"]
+    assert set(theirs) == set(mine)  # the table and the JSON treat it as any arm
+    (curve,) = theirs["curves"]
+    assert [c[0] for c in curve] == [0, 4, 8] and 0 < curve[1][1] < curve[2][1] == theirs["median_seconds"]
+    assert curve[2][2] < curve[0][2] and theirs["parameters"] == mine["parameters"]
+    assert theirs["bytes_per_step"] == mine["parameters"] * 4 / 2  # the model's float32 change every 2 steps
+    # The same DiLoCo from the same model and batches: torchft's losses are trainaccel's, bit for bit.
+    assert [c[2:] for c in curve] == [c[2:] for c in mine["curves"][0]]

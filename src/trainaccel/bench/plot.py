@@ -68,12 +68,17 @@ ARM_WORDS = {
 }
 
 
+# Arms run by another project, at the options the trainaccel arm is given.
+PEER_WORDS = {"torchft": "torchft's DiLoCo"}
+
+
 def arm_words(arm: str, options: dict[str, str] | None = None) -> str:
-    """An arm's line in a legend: built-in arms in words, trainaccel's as the flags that start them."""
+    """An arm's line in a legend: built-in arms in words, trainaccel's as the flags that start them, a peer's by
+    name with the options it runs at."""
     if arm in ARM_WORDS:
         return ARM_WORDS[arm]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (options or {}).items())
-    return f"trainaccel run {flags}".strip()
+    return f"{PEER_WORDS.get(arm, 'trainaccel run')} {flags}".strip()
 
 
 def plot_quality(

@@ -10,6 +10,7 @@ ceiling, both paired by repeat.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -27,9 +28,10 @@ from trainaccel.bench.jobs import (
     report_header,
     run_workers,
 )
+from trainaccel.bench.peers import PEER_ARMS, run_torchft, torchft_settings
 from trainaccel.bench.plot import ARM_WORDS, plot_quality
 from trainaccel.bench.tasks import TASKS
-from trainaccel.bench.train import arm_settings, parse_arms
+from trainaccel.bench.train import arm_settings, parse_arms, parse_variant
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
@@ -51,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=2, help="local workers (default 2)")
     parser.add_argument(
         "--arms",
-        help=f"comma-separated subset of {', '.join((*ARMS, *OWN_ARMS))} (default all but torch-bf16 on CPU, where "
-        "torch's bf16 hook refuses to run, and auto: zero-code sync_every=auto, which picks H, fragments, overlap "
-        "and the outer codec)",
+        help=f"comma-separated subset of {', '.join((*ARMS, *OWN_ARMS, *PEER_ARMS))} (default all but torch-bf16 on "
+        "CPU, where torch's bf16 hook refuses to run, auto: zero-code sync_every=auto, which picks H, fragments, "
+        "overlap and the outer codec, and torchft: torchft's DiLoCo at the trainaccel arm's --sync-every, "
+        "--sync-fragments, --sync-scope and --outer-* options, needs trainaccel[peers])",
     )
     parser.add_argument(
         "--variant",
@@ -306,8 +309,15 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
     """Run the arms; `show(summary, title, metric, labels)` prints the table (the demo passes its own)."""
     try:
         _check(args)
-        arms = parse_arms(args.arms, (*ARMS, *OWN_ARMS)) if args.arms is not None else parse_arms(None, ARMS)
+        accepted = (*ARMS, *OWN_ARMS, *PEER_ARMS)
+        arms = parse_arms(args.arms, accepted) if args.arms is not None else parse_arms(None, ARMS)
+        for variant in args.variant:  # a peer's arm name is not a trainaccel variant's label
+            parse_variant(variant, reserved=(*ARMS, *PEER_ARMS))
         arm_options, config, options, emulation = arm_settings(args, arms)
+        peer = {arm: torchft_settings(arm_options[arm]) for arm in arms if arm in PEER_ARMS}
+        named = {text.rpartition(":")[0] for text in args.lose} | {*args.rejoin, *args.restart, *args.keep_global_batch}
+        if named & set(peer):
+            raise ValueError("the torchft arm takes no --lose, --rejoin, --restart or --keep-global-batch")
         labels = {}
         for arm, own in OWN_ARMS.items():  # a --variant of the same label is the user's own arm
             if arm in arms and arm not in {v.partition(":")[0].strip() for v in args.variant}:
@@ -321,15 +331,13 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
         print(f"trainaccel bench quality: error: {e}", file=sys.stderr)
         return 2
     workers = emulation.workers if emulation is not None else args.nproc_per_node
-    runs, code = interleaved_or_exit_code(
-        "quality",
-        f"bench quality {args.task}",
-        list(arm_options),
-        args.repeats,
-        emulation,
+
+    def run_one(arm: str, out: Path, cluster: EmulatedCluster | None, port: int, repeat: int) -> dict:
         # Each repeat its own seed (initial model and batches), the same for every arm in it: a
         # codec's loss is compared with plain DDP's on the same draw, and the medians span seeds.
-        lambda arm, out, cluster, port, repeat: _run_arm(
+        if arm in peer:
+            return run_torchft(args, peer[arm], out, cluster, port, seed=repeat)
+        return _run_arm(
             arm if arm in ARMS else "trainaccel",
             args,
             arm_options[arm],
@@ -341,7 +349,15 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
             rejoin=arm in args.rejoin,
             restart=arm in args.restart,
             global_batch=args.batch_size * workers if arm in args.keep_global_batch else None,
-        ),
+        )
+
+    runs, code = interleaved_or_exit_code(
+        "quality",
+        f"bench quality {args.task}",
+        list(arm_options),
+        args.repeats,
+        emulation,
+        run_one,
         lambda result: (
             f"{result['seconds']:.1f} s, validation loss {result['final_validation_loss']:.4f}, "
             f"{task.metric} {result['final_validation_accuracy']:.1%}"
@@ -380,5 +396,7 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
             "arm_options": {arm: arm_options[arm] for arm in runs if arm not in ARMS or arm == "trainaccel"},
             "arms": summary,
         }
+        if peer:  # the peers' releases, beside torch's in the header
+            report["machine"]["torchft"] = importlib.metadata.version("torchft")
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
