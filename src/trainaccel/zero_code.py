@@ -25,6 +25,7 @@ from trainaccel.context import log, warn_once
 from trainaccel.environment import env_world_size
 from trainaccel.monitor.ddp import attach_meter
 from trainaccel.observer import StepObserver, observe, observer_of, watch_optimizer_steps, wrapper_chain
+from trainaccel.resilience import failfast
 
 
 def patch_ddp(config: Config) -> None:
@@ -93,6 +94,8 @@ def accelerate(ddp_model: DistributedDataParallel, config: Config, broadcast: Br
     if config.sync_every:
         # No gradient exchange: the hook registered at the first step is not needed.
         diloco.attach(ddp_model, config, broadcast)
+    elif config.on_lost_replica == "continue" and failfast.incarnation() > 0:
+        register(ddp_model, config)  # a replica started again rejoins as DDP wraps its model: before the loop
     checkpoint.attach(observer)  # before the hook exists: a checkpoint loaded now waits for it
     if config.amp != "off":
         enable_amp(observer, config)
@@ -136,6 +139,8 @@ def _register_at_first_step(ddp_model: DistributedDataParallel, config: Config) 
                 f"straggler_every and timeline time the per-step gradient exchange, which sync_every="
                 f"{config.sync_every} switches off: off for this model"
             )
+        return
+    if observer_of(ddp_model).survivors is not None:  # a replica started again: registered as DDP wrapped its model
         return
     existing = ddp_model._get_ddp_logging_data().get("comm_hook")
     if existing:

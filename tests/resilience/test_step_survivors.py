@@ -23,8 +23,8 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
-    procs = []
-    for node, log in enumerate(logs):
+
+    def start(node: int, log) -> subprocess.Popen:
         with open(log, "w") as out:
             command = [
                 *trainaccel_cmd(),
@@ -32,14 +32,19 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
                 *["--master-addr", "127.0.0.1", "--master-port", str(port), "--on-lost-replica", "continue"],
                 *[str(SCRIPTS / "step_survivors.py"), str(tmp_path), how],
             ]
-            procs.append(
-                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
-            )
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
+
+    procs = [start(node, log) for node, log in enumerate(logs)]
+    waited = procs if how == "rejoin" else procs[:2]
     tree = ProcessTree([proc.pid for proc in procs])
     began = time.monotonic()
     try:
-        while any(proc.poll() is None for proc in procs[:2]) and time.monotonic() - began < DEADLINE_S:
+        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
+            if how == "rejoin" and procs[2].poll() is not None and len(logs) == NODES:
+                logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
+                procs[2] = waited[2] = start(2, logs[-1])
+                tree.roots.append(procs[2].pid)
             time.sleep(0.5)
         codes = [proc.poll() for proc in procs]
     finally:
@@ -48,7 +53,9 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
         for proc in procs:
             proc.wait(timeout=30)
     outputs = [log.read_text() for log in logs]
-    results = [tmp_path / f"rank{r}.json" for r in range(2)]
+    if how == "rejoin":  # node 2's two starts, as one output
+        outputs = [*outputs[:2], outputs[2] + outputs[3]]
+    results = [tmp_path / f"rank{r}.json" for r in range(NODES if how == "rejoin" else 2)]
     assert all(r.exists() for r in results), "\n".join(o[-3000:] for o in outputs)
     return [json.loads(r.read_text()) for r in results], outputs, codes
 
@@ -80,3 +87,16 @@ def test_per_step_survivors_train_on_without_a_lost_replica_and_end_equal(tmp_pa
     # Every step's float32 mean, counted once a step.
     params = sum(len(p) for p in first["params"])
     assert first["bytes_sent"] == STEPS * params * 4
+
+
+def test_a_replica_started_again_rejoins_per_step_training_and_every_replica_ends_equal(tmp_path):
+    (first, second, third), outputs, codes = launch(tmp_path, "rejoin")
+    assert codes == [0, 0, 0], (codes, outputs[2][-3000:])
+    assert first["members"] == second["members"] == third["members"] == [0, 1, 2]
+    assert first["params"] == second["params"] == third["params"], outputs[2][-2000:]
+    # The momentum it took at its join, then trained with the others': the same bits at the end.
+    assert first["momentum"] == second["momentum"] == third["momentum"]
+    assert 9 <= third["rejoined_at"] < 40 and first["rejoined_at"] == second["rejoined_at"] == 0
+    assert len(third["losses"]) == 48 - third["rejoined_at"]
+    assert "rejoined the running job at step" in outputs[2], outputs[2][-3000:]
+    assert "rejoin the 2 replicas" in outputs[0] + outputs[1]

@@ -305,34 +305,12 @@ class DiLoCo:
     def _inner_state(self) -> dict[int, dict]:
         """Each parameter's state in this replica's inner optimizers, by its index in the synced parameters (what a
         replica rejoining takes: `_take_inner_state`). A sharded parameter's state stays its own."""
-        index = {id(p): i for i, p in enumerate(self.outer.params)}
-        found = {}
-        for optimizer in list(self._holders):
-            for param, state in optimizer.state.items():
-                i = index.get(id(param))
-                if i is not None and state and not any(_is_dtensor(v) for v in state.values()):
-                    found[i] = dict(state)
-        return found
+        return optimizer_state_by_index(list(self._holders), self.outer.params)
 
     def _take_inner_state(self, optimizer: torch.optim.Optimizer) -> None:
         """This replica rejoined: before its first step, `optimizer` takes the state a live member's optimizers had
-        for the same parameters (momentum, Adam's moments and step count), where its own is empty, through
-        load_state_dict (which puts each value where the optimizer keeps it)."""
-        index = {id(p): i for i, p in enumerate(self.outer.params)}
-        saved, taken, position = optimizer.state_dict(), 0, 0
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                i = index.get(id(param))
-                if i is not None and i in self.outer.joined_inner and not optimizer.state.get(param):
-                    saved["state"][position] = self.outer.joined_inner.pop(i)
-                    taken += 1
-                position += 1
-        if taken:
-            optimizer.load_state_dict(saved)
-            info_once(
-                f"rejoined: the {type(optimizer).__name__}'s state of {taken} parameter(s) starts from a live "
-                "replica's (its momentum and moments), not from nothing"
-            )
+        for the same parameters (`take_optimizer_state`)."""
+        take_optimizer_state(optimizer, self.outer.params, self.outer.joined_inner)
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._holds(optimizer):
@@ -570,7 +548,12 @@ def rejoined_at(model: torch.nn.Module) -> int:
     """The inner step at which this replica rejoined a running job (on_lost_replica=continue, its rank started
     again): a script that can rejoin starts its loop after it, as one resuming from a checkpoint would. 0 otherwise."""
     diloco = _of(model)
-    return diloco.outer.rejoined_at if diloco is not None else 0
+    if diloco is not None:
+        return diloco.outer.rejoined_at
+    observer = observer_of(model)
+    if observer is not None and observer.survivors is not None:  # per-step DDP under on_lost_replica=continue
+        return observer.survivors.rejoined_at
+    return 0
 
 
 def members(model: torch.nn.Module) -> list[int]:
@@ -774,6 +757,40 @@ def _restore_attribute(owner: Any, name: str, value: Any) -> None:
 
 
 # -- process-wide: optimizer steps, GradScaler's skipped steps, destroy_process_group, heartbeats ----------------
+
+
+def optimizer_state_by_index(optimizers: list[torch.optim.Optimizer], params: list[torch.Tensor]) -> dict[int, dict]:
+    """The optimizers' state of each of `params`, by its index there (what a replica rejoining takes). A sharded
+    parameter's state stays its own."""
+    index = {id(p): i for i, p in enumerate(params)}
+    found = {}
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            i = index.get(id(param))
+            if i is not None and state and not any(_is_dtensor(v) for v in state.values()):
+                found[i] = dict(state)
+    return found
+
+
+def take_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], joined: dict[int, dict]) -> None:
+    """A rejoined replica, before `optimizer`'s first step: it takes a live member's state (`joined`, by index in
+    `params`: momentum, Adam's moments and step count) where its own is empty, through load_state_dict (which puts
+    each value where the optimizer keeps it); what it took leaves `joined`."""
+    index = {id(p): i for i, p in enumerate(params)}
+    saved, taken, position = optimizer.state_dict(), 0, 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            i = index.get(id(param))
+            if i is not None and i in joined and not optimizer.state.get(param):
+                saved["state"][position] = joined.pop(i)
+                taken += 1
+            position += 1
+    if taken:
+        optimizer.load_state_dict(saved)
+        info_once(
+            f"rejoined: the {type(optimizer).__name__}'s state of {taken} parameter(s) starts from a live "
+            "replica's (its momentum and moments), not from nothing"
+        )
 
 
 def record_optimizers() -> None:
