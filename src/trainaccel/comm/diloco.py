@@ -545,8 +545,9 @@ def sync_replicas(model: torch.nn.Module) -> None:
 
 
 def rejoined_at(model: torch.nn.Module) -> int:
-    """The inner step at which this replica rejoined a running job (on_lost_replica=continue, its rank started
-    again): a script that can rejoin starts its loop after it, as one resuming from a checkpoint would. 0 otherwise."""
+    """The step at which this replica rejoined a running job (on_lost_replica=continue, its rank started again; the
+    inner step under sync_every): a script that can rejoin starts its loop after it, as one resuming from a checkpoint
+    would. 0 otherwise."""
     diloco = _of(model)
     if diloco is not None:
         return diloco.outer.rejoined_at
