@@ -63,10 +63,10 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
 @pytest.mark.parametrize(
     "how",
     [
-        pytest.param("kill", marks=pytest.mark.resilience_full),  # CI: `buffers` loses rank 2 the same way
+        pytest.param("kill", marks=pytest.mark.resilience_full),  # CI: the rejoin test loses rank 2 the same way
         "mid_step",
         pytest.param("freeze", marks=pytest.mark.resilience_full),
-        "buffers",
+        pytest.param("buffers", marks=pytest.mark.resilience_full),
     ],
 )
 def test_per_step_survivors_train_on_without_a_lost_replica_and_end_equal(tmp_path, how):
