@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation
+from trainaccel.bench.tasks import task_flags
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, plain_env, run_together, stop
 
@@ -136,12 +137,7 @@ def run_torchft(
     worker = [
         "-m",
         WORKER_MODULE,
-        f"--task={args.task}",
-        f"--batch-size={args.batch_size}",
-        f"--steps={args.steps}",
-        f"--eval-every={args.eval_every}",
-        f"--seed={seed}",
-        f"--out={out}",
+        *task_flags(args, seed, out),
         f"--groups={len(groups)}",
         f"--lighthouse=http://{address(0)}:{port}",
         f"--clock={address(0)}:{ports[0]}",

@@ -30,7 +30,7 @@ from trainaccel.bench.jobs import (
 )
 from trainaccel.bench.peers import PEER_ARMS, run_torchft, torchft_settings
 from trainaccel.bench.plot import ARM_WORDS, plot_quality
-from trainaccel.bench.tasks import TASKS
+from trainaccel.bench.tasks import TASKS, task_flags
 from trainaccel.bench.train import arm_settings, parse_arms, parse_variant
 from trainaccel.bench.worker import ARMS
 from trainaccel.config import Config, ConfigError
@@ -179,12 +179,7 @@ def _run_arm(
         "-m",
         WORKER_MODULE,
         f"--arm={arm}",
-        f"--task={args.task}",
-        f"--batch-size={args.batch_size}",
-        f"--steps={args.steps}",
-        f"--eval-every={args.eval_every}",
-        f"--seed={seed}",
-        f"--out={out}",
+        *task_flags(args, seed, out),
     ]
     if loss is not None:
         worker += [f"--lose-node={loss[0]}", f"--lose-at={loss[1]}"]

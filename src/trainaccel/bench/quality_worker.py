@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from trainaccel.amp import scaled
-from trainaccel.bench.tasks import get_task, warmup_cosine
+from trainaccel.bench.tasks import add_task_arguments, get_task, warmup_cosine
 from trainaccel.bench.worker import (
     ARMS,
     auto_lines,
@@ -57,12 +57,7 @@ def share_of(global_batch: int, present: list[int], rank: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", choices=ARMS, required=True)
-    parser.add_argument("--task", required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--eval-every", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
+    add_task_arguments(parser)
     parser.add_argument("--lose-node", type=int, help="this node's workers kill themselves at --lose-at")
     parser.add_argument("--lose-at", type=int, help="the step before which they do")
     parser.add_argument("--checkpoint", help="a folder: saved to after each validation, resumed from at a restart")

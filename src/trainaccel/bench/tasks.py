@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -217,3 +218,26 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"invalid task {name!r}; accepted: {', '.join(TASKS)}")
     return TASKS[name]
+
+
+def task_flags(args: Any, seed: int, out: Any) -> list[str]:
+    """A quality worker's flags for the task of `bench quality`'s `args` (read by `add_task_arguments`)."""
+    return [
+        f"--task={args.task}",
+        f"--batch-size={args.batch_size}",
+        f"--steps={args.steps}",
+        f"--eval-every={args.eval_every}",
+        f"--seed={seed}",
+        f"--out={out}",
+    ]
+
+
+def add_task_arguments(parser: Any) -> None:
+    """A quality worker's task flags (`task_flags`): what it trains, for how long, from which seed, and where its
+    result goes."""
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--eval-every", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)

@@ -25,7 +25,7 @@ from torchft.local_sgd import DiLoCo, LocalSGD
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupBabyNCCL, ProcessGroupGloo
 
-from trainaccel.bench.tasks import get_task, warmup_cosine
+from trainaccel.bench.tasks import add_task_arguments, get_task, warmup_cosine
 from trainaccel.bench.worker import release_process_group, start_process_group
 from trainaccel.comm.outer_sync import split_fragments
 
@@ -58,12 +58,7 @@ def synced(diloco: DiLoCo) -> Iterator[None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--task", required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--eval-every", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
+    add_task_arguments(parser)
     parser.add_argument("--group", type=int, required=True, help="this replica group's index")
     parser.add_argument("--groups", type=int, required=True, help="replica groups in the job")
     parser.add_argument("--lighthouse", required=True, help="the lighthouse's address, http://HOST:PORT")
