@@ -618,16 +618,19 @@ def _refuse_ddp_settings(model: DistributedDataParallel, scope: str) -> None:
         )
 
 
-def refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str) -> None:
+def refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str, per_step: bool = False) -> None:
     """on_lost_replica=continue: collectives at every step over workers of other replicas would wait forever for a
-    lost one (on NCCL until the watchdog ends every survivor); each refused in one line."""
-    if isinstance(model, DistributedDataParallel) and scope == "node":
+    lost one (on NCCL until the watchdog ends every survivor); each refused in one line. `per_step`: DDP's own
+    exchange runs at every step (no sync_every), so its map of used parameters spans every replica."""
+    if isinstance(model, DistributedDataParallel) and (scope == "node" or per_step):
         if model.find_unused_parameters and not model.static_graph:
+            where, lost, other = (
+                ("", "replica", "") if per_step else (" with sync_scope=node", "node", " or use sync_scope=rank")
+            )
             raise ValueError(
-                "on_lost_replica=continue with sync_scope=node cannot train a DDP model built with "
-                "find_unused_parameters=True: DDP all-reduces its map of used parameters over every worker at every "
-                "step, which would wait for a lost node forever; build it with static_graph=True (the map is found "
-                "once) or use sync_scope=rank"
+                f"on_lost_replica=continue{where} cannot train a DDP model built with find_unused_parameters=True: "
+                "DDP all-reduces its map of used parameters over every worker at every step, which would wait for a "
+                f"lost {lost} forever; build it with static_graph=True (the map is found once){other}"
             )
     if scope == "node":
         topology = discover()

@@ -207,13 +207,7 @@ def attach(model: DistributedDataParallel, config: Config) -> StepSurvivors:
     existing = observer_of(model).survivors
     if existing is not None:
         return existing
-    if model.find_unused_parameters and not model.static_graph:
-        raise ValueError(
-            "on_lost_replica=continue cannot train a DDP model built with find_unused_parameters=True: DDP "
-            "all-reduces its map of used parameters over every worker at every step, which would wait for a lost "
-            "replica forever; build it with static_graph=True (the map is found once)"
-        )
-    refuse_what_reaches_other_replicas(model, "rank")
+    refuse_what_reaches_other_replicas(model, "rank", per_step=True)
     if model.broadcast_buffers and any(True for _ in model.module.buffers()):
         # DDP broadcasts rank 0's buffers over its whole group at every forward: that would wait for a lost rank.
         model.broadcast_buffers = False
