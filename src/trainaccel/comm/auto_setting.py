@@ -16,7 +16,10 @@ the communication thread, re-choose the interval only (`rechoose()`): fragments 
   hiding them gains under 5%). Measured on the text task: one step of overlap cost no quality, a whole round's did
   (+7.7%); on a GPT-2 under gradient accumulation, whose syncs took 2% of the time, it widened the worst seed's loss.
 - interval H: the smallest whose syncs, counted as if nothing were hidden, take at most `SHARE` of the time, and at
-  most `H_CAP`: a longer interval buys speed with quality (docs/communication.md has the measurements).
+  most the quality cap (`quality_cap`): `H_CAP` at the learning rate's peak, growing as the square of the peak over
+  the learning rate now as a schedule lowers it (the quadratic synchronization rule of Gu et al., ICLR 2024). At the
+  peak a longer interval bought speed with quality (docs/results.md#why-auto-chooses-as-it-does); the replicas'
+  disagreement was no guide to it: it fell as H grew while the loss rose.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ PROBE_WARMUP = 2**16
 WINDOW = 20  # step times kept for the median
 ROUNDS = 5  # rounds whose figures' medians re-choose H
 SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap
-H_CAP = 4  # the longest interval auto picks: quality falls with longer ones (docs/communication.md)
+H_CAP = 4  # the longest interval auto picks at the peak learning rate: quality falls with longer ones
+H_MOST = 500  # the longest interval auto ever picks, however low the learning rate
 MAX_FRAGMENTS = 4
 CODECS = ("none", "bf16", "int8", "fp4")  # least lossy first
 # The options auto picks where they are left at their defaults (Config's), and their defaults.
@@ -64,6 +68,7 @@ class Measured:
     replicas: int  # replicas the change is averaged over
     probed: int = 0  # elements the timed exchange carried where it was a probe (0: the whole model's sync)
     broadcast: int = 0  # bytes of the broadcast timed where it was DDP's as it wrapped the model (0: a sync or probe)
+    lr_drop: float = 1.0  # the peak learning rate over the learning rate now, the least of any rank's (`quality_cap`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +161,7 @@ def choose(measured: Measured, free: frozenset[str], fragments: int, overlap: in
         # -0.7% and +10.8% with it (docs/results.md#syncing-every-few-steps-at-500-and-100-mbits).
         unhidden = _share(sync_s, step, interval_within(sync_s, step, max(fragments, 1))[0])
         overlap = 1 if unhidden > SHARE / 2 else 0
-    interval, why = interval_within(sync_s, step, max(fragments, overlap, 1))
+    interval, why = interval_within(sync_s, step, max(fragments, overlap, 1), lr_drop=measured.lr_drop)
     if "sync_overlap" in free and not overlap:
         why += f"; no overlap: syncs take {unhidden:.0%} of the time unhidden"
     reasons = [f"{said}: {', '.join(reasons)}" if reasons else said, why]
@@ -169,16 +174,18 @@ def _share(sync_s: float, step_s: float, interval: int) -> float:
     return sync_s / total if total > 0 else 1.0
 
 
-def rechoose(setting: Setting, step_s: float, exchanged_s: float) -> Setting:
-    """`setting` with its interval chosen again from re-measured figures (medians of the last rounds; structure kept).
+def rechoose(setting: Setting, step_s: float, exchanged_s: float, lr_drop: float = 1.0) -> Setting:
+    """`setting` with its interval chosen again from re-measured figures (medians of the last rounds; structure kept)
+    and the learning rate's drop from its peak (`quality_cap`).
 
-    Up as soon as syncs take more than SHARE of the time, down only where the shorter H keeps them within half of it:
-    a figure near the boundary does not move H back and forth.
+    Up as soon as syncs take more than SHARE of the time (as far as the cap allows), down only where the shorter H
+    keeps them within half of it: a figure near the boundary does not move H back and forth. Down at once to a cap
+    that fell below it (the learning rate rose again).
     """
-    least = max(setting.fragments, setting.overlap, 1)
-    interval, why = interval_within(exchanged_s, step_s, least)
-    if interval < setting.interval:  # down only as far as half the share allows
-        interval, why = interval_within(exchanged_s, step_s, least, SHARE / 2)
+    least, cap = max(setting.fragments, setting.overlap, 1), quality_cap(lr_drop)
+    interval, why = interval_within(exchanged_s, step_s, least, lr_drop=lr_drop)
+    if interval < setting.interval and max(cap, least) >= setting.interval:  # down only as far as half the share
+        interval, why = interval_within(exchanged_s, step_s, least, SHARE / 2, lr_drop)
         interval = min(interval, setting.interval)
     if interval == setting.interval:
         return setting
@@ -186,11 +193,24 @@ def rechoose(setting: Setting, step_s: float, exchanged_s: float) -> Setting:
     return dataclasses.replace(setting, interval=interval, why=why)
 
 
-def interval_within(sync_s: float, step_s: float, least: int, share: float = SHARE) -> tuple[int, str]:
-    """H: the smallest (at least `least`) whose syncs of `sync_s` take at most `share` of the time, at most H_CAP."""
+def quality_cap(lr_drop: float) -> int:
+    """The longest interval quality allows where the learning rate is `lr_drop` times below its peak: H_CAP at the
+    peak, times the drop squared (Gu et al.'s quadratic synchronization rule), at most H_MOST."""
+    if math.isnan(lr_drop) or lr_drop <= 1:
+        return H_CAP
+    return int(min(H_MOST, max(H_CAP, math.floor(H_CAP * min(lr_drop, H_MOST) ** 2 + 1e-9))))
+
+
+def interval_within(
+    sync_s: float, step_s: float, least: int, share: float = SHARE, lr_drop: float = 1.0
+) -> tuple[int, str]:
+    """H: the smallest (at least `least`) whose syncs of `sync_s` take at most `share` of the time, at most the quality
+    cap where the learning rate is `lr_drop` times below its peak (`quality_cap`)."""
     needed = interval_for(sync_s, step_s, share)
-    cap = max(H_CAP, least)
+    cap = max(quality_cap(lr_drop), least)
     if needed >= cap:
+        if lr_drop > 1:
+            return cap, f"H capped at {cap} for quality, the learning rate {lr_drop:.2f}x below its peak"
         return cap, f"H capped at {cap} for quality"
     interval = max(needed, least)
     return interval, f"H={interval} keeps syncs within {share:.0%} of the time even unhidden"

@@ -136,6 +136,7 @@ class DiLoCo:
             self._module, self._innermost, params, buffers = None, None, list(model), []
         self.outer = OuterSync(params, buffers, group=self.group, scope=scope, names=names, config=config)
         self.outer.inner_state = self._inner_state  # what a replica rejoining takes of this one's optimizers
+        self.outer.learning_rate = self._learning_rate  # sync_every=auto lengthens H as a schedule lowers it
         self.index, _made = _made, _made + 1
         given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
         self._given, self._holders, self._known = bool(given), weakref.WeakSet(given), bool(given)
@@ -306,6 +307,13 @@ class DiLoCo:
         """Each parameter's state in this replica's inner optimizers, by its index in the synced parameters (what a
         replica rejoining takes: `_take_inner_state`). A sharded parameter's state stays its own."""
         return optimizer_state_by_index(list(self._holders), self.outer.params)
+
+    def _learning_rate(self) -> float | None:
+        """The highest learning rate of the inner optimizers' parameter groups now (None: none known, or one not a
+        number, as Adafactor's relative step)."""
+        rates = [group.get("lr") for optimizer in list(self._holders) for group in optimizer.param_groups]
+        rates = [float(r) for r in rates if isinstance(r, (int, float)) or (torch.is_tensor(r) and r.numel() == 1)]
+        return max(rates) if rates else None
 
     def _take_inner_state(self, optimizer: torch.optim.Optimizer) -> None:
         """This replica rejoined: before its first step, `optimizer` takes the state a live member's optimizers had

@@ -106,6 +106,8 @@ class _Auto:
         "stream that ran it: on a GPU the host's clock would time the queueing, not the transfer",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
         "skip": "the round after the first choice is not measured: its syncs' exchanges finish in the next one",
+        "peak_lr": "the highest learning rate the inner optimizers had at a round's end (0: none known yet); the "
+        "interval's cap grows as the learning rate falls below it (auto_setting.quality_cap)",
     }
 
     def __init__(self, config: Config, elements: int):
@@ -116,6 +118,15 @@ class _Auto:
         self.exchanged: list[tuple[clock.Mark, clock.Mark]] = []
         self.rounds: list[tuple[float, float]] = []
         self.skip = False
+        self.peak_lr = 0.0
+
+    def lr_drop(self, learning_rate: float | None) -> float:
+        """The peak learning rate over `learning_rate` (the inner optimizers' now; None: unknown, taken as the peak),
+        the peak raised to it first."""
+        if learning_rate is None or not math.isfinite(learning_rate) or learning_rate <= 0:
+            return 1.0
+        self.peak_lr = max(self.peak_lr, learning_rate)
+        return self.peak_lr / learning_rate
 
     @property
     def probe(self) -> int:
@@ -193,6 +204,8 @@ class OuterSync:
         "rejoined_at": "`steps` when this replica rejoined the running job (its rank started again); 0: it did not",
         "inner_state": "on_lost_replica=continue: what a replica rejoining takes of the inner optimizers, {index in "
         "`params`: that parameter's optimizer state}, from the caller that knows them (None: nothing)",
+        "learning_rate": "sync_every=auto: the inner optimizers' learning rate now, from the caller that knows them "
+        "(None: nothing; a callable that returns None: unknown), which lets the interval grow as a schedule lowers it",
         "joined_inner": "a replica that rejoined: the inner optimizers' state a live member sent ({index in `params`: "
         "state}), each entry until an optimizer of this replica takes it",
         "_synced_buffers": "the floating-point buffers averaged at the last regular sync (float32): the synced ones",
@@ -265,6 +278,7 @@ class OuterSync:
         self._membership: Membership | None = None
         self.rejoined_at = 0
         self.inner_state: Callable[[], dict[int, dict]] | None = None
+        self.learning_rate: Callable[[], float | None] | None = None
         self.joined_inner: dict[int, dict] = {}
         if config.on_lost_replica == "continue":
             self._survive_lost_replicas(config)
@@ -457,7 +471,9 @@ class OuterSync:
             return
         step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
         group = self._engine_group
-        measured = torch.tensor([step_s, -exchanged], dtype=torch.float64, device=group_device(group))
+        # The least drop of any rank's learning rate from its peak: every rank caps H alike.
+        drop = auto.lr_drop(self.learning_rate() if self.learning_rate is not None else None)
+        measured = torch.tensor([step_s, -exchanged, -drop], dtype=torch.float64, device=group_device(group))
 
         def slowest_over(group: Any, members: int = 0) -> torch.Tensor:
             mine = measured.clone()  # each try of the membership's from the same figures
@@ -470,7 +486,7 @@ class OuterSync:
             slowest = functools.partial(slowest_over, group)
         previous, self._measured = self._measured, sync_thread().submit(slowest, measured.device, self._groups())
         if auto.measuring:  # its syncs waited for their exchanges: nothing in flight, the ranks together
-            step_s, least = self._measured.wait().tolist()
+            step_s, least, drop = self._measured.wait().tolist()
             sync_thread().waited(self._measured)
             self._measured = None
             replicas = len(self.members)
@@ -478,7 +494,7 @@ class OuterSync:
                 replicas = self._hierarchy.topology.num_nodes
             probed, broadcast = auto.probe, auto.broadcast.nbytes if auto.broadcast is not None else 0
             figures = auto_setting.Measured(
-                step_s, -least, self._codec.name, auto.elements, replicas, 0 if broadcast else probed, broadcast
+                step_s, -least, self._codec.name, auto.elements, replicas, 0 if broadcast else probed, broadcast, -drop
             )
             fragments, codec = len(self._fragments), auto.given_codec
             self._take(auto_setting.choose(figures, auto.free, fragments, self.overlap, codec, len(self.params)))
@@ -490,10 +506,11 @@ class OuterSync:
             return
         if previous is None:
             return
-        step_s, least = previous.wait().tolist()
+        step_s, least, drop = previous.wait().tolist()
         auto.rounds = [*auto.rounds[1 - auto_setting.ROUNDS :], (step_s, max(0.0, -least))]
         steps, exchanges = zip(*auto.rounds)
-        setting = auto_setting.rechoose(auto.setting, statistics.median(steps), statistics.median(exchanges))
+        median_step, median_exchanged = statistics.median(steps), statistics.median(exchanges)
+        setting = auto_setting.rechoose(auto.setting, median_step, median_exchanged, -drop)
         if setting.interval != self.interval:
             self.interval = setting.interval
             auto.say(setting)
@@ -551,7 +568,8 @@ class OuterSync:
         """auto resumed: the checkpoint's fragments, overlap and codec (its picks; the others were checked equal),
         still measuring if it was (a checkpoint without auto's state: as one taken before its choice)."""
         auto = self._auto
-        auto.measuring = (state.get("auto") or {"measuring": True})["measuring"]
+        saved = state.get("auto") or {"measuring": True}
+        auto.measuring, auto.peak_lr = saved["measuring"], saved.get("peak_lr", 0.0)
         auto.exchanged[:] = []
         if state["sync_fragments"] != len(self._fragments):
             self._split(state["sync_fragments"])
@@ -852,7 +870,9 @@ class OuterSync:
             "residuals": self._saved_residuals(),
             "scales": dict(getattr(self._codec, "scales", None) or {}),
             "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
-            "auto": {"measuring": self._auto.measuring} if self._auto is not None else None,
+            "auto": {"measuring": self._auto.measuring, "peak_lr": self._auto.peak_lr}
+            if self._auto is not None
+            else None,
         }
 
     def _saved_residuals(self) -> dict[Any, torch.Tensor]:
@@ -898,6 +918,7 @@ class OuterSync:
         self._measured = None
         if measured is not None:
             self._measured = torch.futures.Future()
+            measured = [*measured, -1.0][:3]  # a checkpoint from before the learning rate's drop was measured: none
             self._measured.set_result(torch.tensor(measured, dtype=torch.float64))
         if state["anchors"] is None:
             for fragment in self._fragments:
