@@ -351,8 +351,12 @@ def test_a_plots_lines_are_named_in_words():
         ({}, "needs --sync-every N, an integer >= 1 (got 0"),
         ({"sync_every": "auto"}, "torchft has no sync_every=auto"),
         ({"sync_every": "4", "sync_fragments": "3"}, "needs --sync-fragments to divide --sync-every"),
-        ({"sync_every": "4", "sync_overlap": "1"}, "no counterpart of --sync-overlap 1; it takes --sync-every"),
+        ({"sync_every": "4", "sync_warmup": "2"}, "no counterpart of --sync-warmup 2; it takes --sync-every"),
         ({"sync_every": "4", "outer_compression": "int8"}, "no counterpart of --outer-compression int8"),
+        # torchft's fragment_sync_delay must end before the next fragment's sync starts.
+        ({"sync_every": "4", "sync_fragments": "2", "sync_overlap": "2"}, "--sync-overlap (its fragment_sync_delay)"),
+        ({"sync_every": "4", "fragment_update_alpha": "1.5"}, "invalid fragment_update_alpha='1.5'; accepted: a num"),
+        ({"sync_every": "4", "fragment_update_alpha": "half"}, "invalid fragment_update_alpha='half'; accepted: a n"),
     ],
 )
 def test_the_torchft_arm_runs_trainaccels_diloco_options_or_says_which_it_cannot(monkeypatch, options, message):
@@ -370,10 +374,54 @@ def test_the_torchft_arm_runs_trainaccels_diloco_options_or_says_which_it_cannot
             "outer_lr": 0.7,
             "outer_momentum": 0.9,
             "sync_scope": "auto",
+            "sync_overlap": 0,
+            "fragment_update_alpha": 0.0,
         }
         return
     with pytest.raises(ValueError, match=re.escape(message)):
         peers.torchft_settings(options)
+
+
+def test_a_torchft_variant_takes_trainaccels_diloco_options_and_torchfts_own(monkeypatch):
+    import importlib.util
+
+    from trainaccel.bench import peers
+    from trainaccel.bench.plot import arm_words
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: object())
+    text = "torchft-d1:sync_every=10,sync_fragments=2,sync-overlap=1,fragment_update_alpha=0.5"
+    assert peers.is_peer_variant(text) and peers.is_peer_variant("torchft:sync_every=4")
+    assert not peers.is_peer_variant("torchftish:sync_every=4") and not peers.is_peer_variant("s4:sync_every=4")
+    label, options = peers.parse_peer_variant(text)
+    assert label == "torchft-d1"
+    settings = peers.torchft_settings(options)
+    assert (settings["sync_every"], settings["sync_fragments"], settings["sync_overlap"]) == (10, 2, 1)
+    assert settings["fragment_update_alpha"] == 0.5
+    assert arm_words(label, options).startswith("torchft's DiLoCo --sync-every 10 --sync-fragments 2")
+    for bad, message in [
+        ("torchft-:sync_every=4", "invalid --variant 'torchft-:sync_every=4'; accepted: torchft-LABEL:option=value"),
+        ("torchft-x:compression=topk", "invalid option 'compression=topk' in --variant torchft-x; accepted: option="),
+        ("torchft-x:sync_every", "invalid option 'sync_every' in --variant torchft-x"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            peers.parse_peer_variant(bad)
+
+
+def test_torchft_variants_are_checked_before_any_worker_starts(monkeypatch, capsys):
+    import importlib.util
+
+    from trainaccel.bench import jobs, quality
+    from trainaccel.cli import main
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: object())
+    monkeypatch.setattr(jobs, "run_workers", lambda *a, **k: pytest.fail("a worker started"))
+    monkeypatch.setattr(quality, "interleaved_or_exit_code", lambda *a, **k: pytest.fail("a run started"))
+    bench = ["bench", "quality", "--arms", "baseline", "--repeats", "1"]
+    twice = ["--variant", "torchft-a:sync_every=4", "--variant", "torchft-a:sync_every=8"]
+    assert main([*bench, *twice]) == 2
+    assert capsys.readouterr().err == "trainaccel bench quality: error: each --variant needs its own label\n"
+    assert main([*bench, "--variant", "torchft-a:sync_every=4,fragment_update_alpha=2"]) == 2
+    assert "invalid fragment_update_alpha='2'" in capsys.readouterr().err
 
 
 def test_without_torchft_its_arm_is_refused_in_one_line_before_any_worker_starts(monkeypatch, capsys):
@@ -418,6 +466,8 @@ def test_the_torchft_arm_trains_reports_like_the_others_and_leaves_nothing_behin
     out = tmp_path / "quality.json"
     cmd = [*trainaccel_cmd(), "bench", "quality", "--task", "digits", "--steps", "8", "--eval-every", "4"]
     cmd += ["--repeats", "1", "--arms", "trainaccel,torchft", "--sync-every", "2", "--outer-optimizer", "average"]
+    # torchft's streaming: 2 fragments, each synced a step late, half of the steps meanwhile kept
+    cmd += ["--variant", "torchft-d1:sync_every=4,sync_fragments=2,sync_overlap=1,fragment_update_alpha=0.5"]
     cmd += ["--json", out]
     emulated = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
     if emulated:  # the lighthouse in node 0's namespace, a replica group per node
@@ -446,3 +496,9 @@ def test_the_torchft_arm_trains_reports_like_the_others_and_leaves_nothing_behin
     assert theirs["bytes_per_step"] == mine["parameters"] * 4 / 2  # the model's float32 change every 2 steps
     # The same DiLoCo from the same model and batches: torchft's losses are trainaccel's, bit for bit.
     assert [c[2:] for c in curve] == [c[2:] for c in mine["curves"][0]]
+    streamed = report["arms"]["torchft-d1"]
+    assert report["arm_options"]["torchft-d1"]["fragment_update_alpha"] == "0.5"
+    (curve,) = streamed["curves"]
+    assert [c[0] for c in curve] == [0, 4, 8] and curve[2][2] < curve[0][2]
+    # A fragment every 2 steps (the model every 4), and the final average of the live models (fragments trained since)
+    assert streamed["bytes_per_step"] == mine["parameters"] * 4 * 3 / 8

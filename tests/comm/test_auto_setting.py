@@ -125,25 +125,39 @@ def test_later_rounds_rechoose_h_only_and_say_why():
 
 @pytest.mark.parametrize(
     "lr_drop, cap",
-    [(1.0, 4), (0.5, 4), (1.2, 5), (1.5, 9), (2.0, 16), (10.0, 400), (12.0, 500), (math.inf, 500), (math.nan, 4)],
+    [
+        (1.0, 4),
+        (0.5, 4),
+        (1.5, 4),
+        (2.0, 4),
+        (2.3, 5),
+        (3.0, 9),
+        (10.0, 100),
+        (30.0, 500),
+        (math.inf, 500),
+        (math.nan, 4),
+    ],
 )
 def test_the_quality_cap_grows_as_the_square_of_the_learning_rates_drop(lr_drop, cap):
-    assert quality_cap(lr_drop) == cap  # at the peak (or above it) H_CAP; at most H_MOST
+    assert quality_cap(lr_drop) == cap  # at least H_CAP (at the peak, or above it); at most H_MOST
 
 
 def test_h_follows_the_learning_rate_down_its_schedule_as_far_as_the_syncs_need():
     # The syncs' cost wants H = 12 (0.4 s every 12 steps of 0.3 s: 10% of the time); at the peak, H_CAP.
     first = choose(Measured(0.3, 0.4, "none", ELEMENTS, 2), frozenset(), 1, 0, "none", 30)
     assert first.interval == H_CAP and first.why.endswith("H capped at 4 for quality")
-    half = rechoose(first, 0.3, 0.4, lr_drop=1.5)  # the learning rate at 2/3 of its peak: at most 9
-    assert half.interval == 9 and half.why.endswith("H capped at 9 for quality, the learning rate 1.50x below its peak")
-    low = rechoose(half, 0.3, 0.4, lr_drop=4.0)  # at a quarter: the cap (64) is past what the syncs need
+    assert rechoose(first, 0.3, 0.4, lr_drop=2.0) is first  # the learning rate at half its peak: still 4
+    third = rechoose(first, 0.3, 0.4, lr_drop=3.0)  # at a third: at most 9
+    assert third.interval == 9 and third.why.endswith(
+        "H capped at 9 for quality, the learning rate 3.00x below its peak"
+    )
+    low = rechoose(third, 0.3, 0.4, lr_drop=8.0)  # at an eighth: the cap (64) is past what the syncs need
     assert low.interval == 12 and "H=12 keeps syncs within 10% of the time even unhidden" in low.why
-    assert rechoose(low, 0.3, 0.4, lr_drop=8.0) is low  # no change, nothing said
-    rose = rechoose(low, 0.3, 0.4, lr_drop=1.2)  # a warm restart: down to the cap at once, not by the share's rule
-    assert rose.interval == 5 and rose.why.endswith("H capped at 5 for quality, the learning rate 1.20x below its peak")
+    assert rechoose(low, 0.3, 0.4, lr_drop=16.0) is low  # no change, nothing said
+    rose = rechoose(low, 0.3, 0.4, lr_drop=2.3)  # a warm restart: down to the cap at once, not by the share's rule
+    assert rose.interval == 5 and rose.why.endswith("H capped at 5 for quality, the learning rate 2.30x below its peak")
     # The measuring round's choice takes the drop the ranks agreed on too.
-    later = choose(Measured(0.3, 0.4, "none", ELEMENTS, 2, lr_drop=2.0), frozenset(), 1, 0, "none", 30)
+    later = choose(Measured(0.3, 0.4, "none", ELEMENTS, 2, lr_drop=4.0), frozenset(), 1, 0, "none", 30)
     assert later.interval == 12
 
 
@@ -377,8 +391,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 diloco = DiLoCo(model, optimizer, sync_every="auto")
 intervals = []
 for step in range(1, 61):
-    if step == 10:  # the schedule lowers the learning rate: to a quarter on rank 0, half on rank 1
-        optimizer.param_groups[0]["lr"] = 0.025 if rank == 0 else 0.05
+    if step == 10:  # the schedule lowers the learning rate: to an eighth on rank 0, a quarter on rank 1
+        optimizer.param_groups[0]["lr"] = 0.0125 if rank == 0 else 0.025
     model(torch.randn(4, 64, generator=torch.Generator().manual_seed(rank * 100 + step))).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -405,8 +419,8 @@ def test_h_grows_as_the_inner_learning_rate_falls_alike_on_every_rank(tmp_path):
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert first["intervals"] == second["intervals"]  # the least drop of any rank's: every rank schedules alike
     assert first["intervals"][:12] == [H_CAP] * 12  # at the peak (its drop is read a round after it is measured)
-    assert first["intervals"][-1] == quality_cap(2.0) == 16  # rank 1's learning rate fell by half: 4 x 2^2
+    assert first["intervals"][-1] == quality_cap(4.0) == 16  # rank 1's learning rate fell to a quarter: 4^2
     assert first["peak"] == second["peak"] == first["resumed_peak"] == 0.1  # the checkpoint keeps the peak
     lines = (proc.stdout + proc.stderr).splitlines()
     said = [line for line in lines if "sync_every=auto: H=16" in line and "from the checkpoint" not in line]
-    assert len(said) == 1 and "H capped at 16 for quality, the learning rate 2.00x below its peak" in said[0], said
+    assert len(said) == 1 and "H capped at 16 for quality, the learning rate 4.00x below its peak" in said[0], said

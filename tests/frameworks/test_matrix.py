@@ -179,6 +179,8 @@ def assert_applied(option: str, ranks: list[dict]) -> None:
             # under its one step of overlap).
             assert r.get("diloco") and r["diloco"]["syncs"] >= 2, r.get("diloco")
             assert 0 < r["bytes_per_step"] < dense, (r["bytes_per_step"], dense)  # fewer than plain DDP's
+            # H's cap follows the learning rate of the optimizer the client steps, read at each round's end.
+            assert r["diloco"]["peak_lr"] > 0, r["diloco"]
         if ranks[0]["ddp"]:
             assert_observed_every_step(ranks)
             assert_model_not_sent_again(ranks)

@@ -1,10 +1,13 @@
 """Arms of `trainaccel bench quality` run by the project users would pick instead: torchft's DiLoCo.
 
 The `torchft` arm trains the quality worker's task with `torchft.local_sgd.DiLoCo` at the DiLoCo options the
-trainaccel arm is given (`--sync-every`, `--sync-fragments`, `--sync-scope`, `--outer-optimizer`, `--outer-lr`,
-`--outer-momentum`), so that both arms run one setting by construction. The bench starts torchft's lighthouse (on
-node 0 when emulated) and one replica group per replica as trainaccel's `sync_scope` makes it (a node's workers, or
-each worker), each group a torchrun job of its own, and stops them all however the run ends.
+trainaccel arm is given (`--sync-every`, `--sync-fragments`, `--sync-overlap` as torchft's `fragment_sync_delay`,
+`--sync-scope`, `--outer-optimizer`, `--outer-lr`, `--outer-momentum`), so that both arms run one setting by
+construction. A `--variant torchft-LABEL:options` is a torchft arm of its own: those options, and torchft's
+`fragment_update_alpha` (how much of the steps taken while a delayed fragment synced its result keeps; torchft's
+default 0 drops them, where trainaccel keeps them on top). The bench starts torchft's lighthouse (on node 0 when
+emulated) and one replica group per replica as trainaccel's `sync_scope` makes it (a node's workers, or each
+worker), each group a torchrun job of its own, and stops them all however the run ends.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -28,10 +32,12 @@ from trainaccel.launch.local import TORCHRUN, plain_env, run_together, stop
 PEER_ARMS = ("torchft",)
 WORKER_MODULE = "trainaccel.bench.torchft_worker"
 INSTALL = "the torchft arm needs torchft: pip install 'trainaccel[peers]'"
-# trainaccel's DiLoCo options the torchft arm runs with, as its worker's flags.
-SETTINGS = ("sync_every", "sync_fragments", "outer_optimizer", "outer_lr", "outer_momentum")
+# trainaccel's DiLoCo options the torchft arm runs with, as its worker's flags (sync_overlap: fragment_sync_delay).
+SETTINGS = ("sync_every", "sync_fragments", "sync_overlap", "outer_optimizer", "outer_lr", "outer_momentum")
+# torchft's own DiLoCo options a torchft variant may set, with their defaults (torchft's).
+OWN = {"fragment_update_alpha": 0.0}
 # trainaccel's options with no counterpart in torchft's DiLoCo, at the value that leaves them off.
-UNMATCHED = {"sync_overlap": 0, "sync_warmup": 0, "outer_compression": "none"}
+UNMATCHED = {"sync_warmup": 0, "outer_compression": "none"}
 # torchft's own lighthouse server, in a process the bench can stop; it prints READY once it listens.
 READY = "lighthouse listening"
 LIGHTHOUSE = (
@@ -46,12 +52,41 @@ LIGHTHOUSE = (
 GROUP_PORTS = 1000
 
 
+def is_peer_variant(text: str) -> bool:
+    """Whether a --variant is a torchft arm's: its label `torchft`, or `torchft-` and a name."""
+    label = text.partition(":")[0].strip()
+    return label == "torchft" or label.startswith("torchft-")
+
+
+def parse_peer_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`torchft-LABEL:option=value,...` -> (label, options): trainaccel's DiLoCo options and torchft's own (`OWN`)."""
+    label, _, rest = text.partition(":")
+    label = label.strip()
+    if label != "torchft" and (
+        not label.startswith("torchft-") or label == "torchft-" or any(c.isspace() for c in label)
+    ):
+        raise ValueError(f"invalid --variant {text!r}; accepted: torchft-LABEL:option=value,...")
+    options = {}
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or name not in (*SETTINGS, "sync_scope", *OWN, *UNMATCHED):
+            raise ValueError(
+                f"invalid option {item!r} in --variant {label}; accepted: option=value with options "
+                f"{', '.join((*SETTINGS, 'sync_scope', *OWN))}"
+            )
+        options[name] = value.strip()
+    return label, options
+
+
 def torchft_settings(options: dict[str, str]) -> dict[str, Any]:
-    """The torchft arm's DiLoCo settings from trainaccel's options; ValueError (one line) if it cannot run them."""
+    """The torchft arm's DiLoCo settings from trainaccel's options (and torchft's own, `OWN`, from a torchft variant);
+    ValueError (one line) if it cannot run them."""
     if importlib.util.find_spec("torchft") is None:
         raise ValueError(INSTALL)
+    own = {name: options.get(name, default) for name, default in OWN.items()}
     try:
-        config = Config.resolve(env={}, flags=options)
+        config = Config.resolve(env={}, flags={k: v for k, v in options.items() if k not in OWN})
     except ConfigError as e:
         raise ValueError(f"the torchft arm: {e}") from None
     every = config.sync_every
@@ -71,7 +106,21 @@ def torchft_settings(options: dict[str, str]) -> dict[str, Any]:
                 f"the torchft arm has no counterpart of {Config.flag_name(name)} {getattr(config, name)}; it takes "
                 f"{', '.join(Config.flag_name(n) for n in (*SETTINGS, 'sync_scope'))}"
             )
-    return {name: getattr(config, name) for name in (*SETTINGS, "sync_scope")}
+    if config.sync_overlap >= every // config.sync_fragments:
+        raise ValueError(
+            f"the torchft arm needs --sync-overlap (its fragment_sync_delay) under the steps between two fragments' "
+            f"syncs: {config.sync_overlap} is not under {every} / {config.sync_fragments}"
+        )
+    try:
+        alpha = float(own["fragment_update_alpha"])
+    except ValueError:
+        alpha = math.nan
+    if not 0 <= alpha <= 1:
+        raise ValueError(
+            f"invalid fragment_update_alpha={own['fragment_update_alpha']!r}; accepted: a number in [0, 1] (the share "
+            "of the steps taken while a delayed fragment synced that its result keeps)"
+        )
+    return {**{name: getattr(config, name) for name in (*SETTINGS, "sync_scope")}, "fragment_update_alpha": alpha}
 
 
 def free_ports(count: int) -> list[int]:
@@ -141,7 +190,7 @@ def run_torchft(
         f"--groups={len(groups)}",
         f"--lighthouse=http://{address(0)}:{port}",
         f"--clock={address(0)}:{ports[0]}",
-        *(f"--{name.replace('_', '-')}={settings[name]}" for name in SETTINGS),
+        *(f"--{name.replace('_', '-')}={settings[name]}" for name in (*SETTINGS, *OWN)),
     ]
     commands = [
         [

@@ -78,7 +78,8 @@ def arm_words(arm: str, options: dict[str, str] | None = None) -> str:
     if arm in ARM_WORDS:
         return ARM_WORDS[arm]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (options or {}).items())
-    return f"{PEER_WORDS.get(arm, 'trainaccel run')} {flags}".strip()
+    peer = PEER_WORDS.get(arm.partition("-")[0]) if arm.partition("-")[0] in PEER_WORDS else None  # torchft-LABEL
+    return f"{peer or 'trainaccel run'} {flags}".strip()
 
 
 def plot_quality(

@@ -28,7 +28,7 @@ from trainaccel.bench.jobs import (
     report_header,
     run_workers,
 )
-from trainaccel.bench.peers import PEER_ARMS, run_torchft, torchft_settings
+from trainaccel.bench.peers import PEER_ARMS, is_peer_variant, parse_peer_variant, run_torchft, torchft_settings
 from trainaccel.bench.plot import ARM_WORDS, plot_quality
 from trainaccel.bench.tasks import TASKS, task_flags
 from trainaccel.bench.train import arm_settings, parse_arms, parse_variant
@@ -56,14 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {', '.join((*ARMS, *OWN_ARMS, *PEER_ARMS))} (default all but torch-bf16 on "
         "CPU, where torch's bf16 hook refuses to run, auto: zero-code sync_every=auto, which picks H, fragments, "
         "overlap and the outer codec, and torchft: torchft's DiLoCo at the trainaccel arm's --sync-every, "
-        "--sync-fragments, --sync-scope and --outer-* options, needs trainaccel[peers])",
+        "--sync-fragments, --sync-overlap (its fragment_sync_delay), --sync-scope and --outer-* options, needs "
+        "trainaccel[peers])",
     )
     parser.add_argument(
         "--variant",
         action="append",
         default=[],
         metavar="LABEL:OPTIONS",
-        help="an extra trainaccel arm with its own options, e.g. 'topk:compression=topk' (repeatable)",
+        help="an extra trainaccel arm with its own options, e.g. 'topk:compression=topk', or a torchft arm: "
+        "'torchft-d1:sync_every=10,sync_fragments=2,sync_overlap=1,fragment_update_alpha=0.5' (repeatable)",
     )
     parser.add_argument(
         "--emulate",
@@ -306,10 +308,17 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
         _check(args)
         accepted = (*ARMS, *OWN_ARMS, *PEER_ARMS)
         arms = parse_arms(args.arms, accepted) if args.arms is not None else parse_arms(None, ARMS)
+        peer_variants = dict(parse_peer_variant(v) for v in args.variant if is_peer_variant(v))
+        if len(peer_variants) != sum(map(is_peer_variant, args.variant)):
+            raise ValueError("each --variant needs its own label")
+        args = argparse.Namespace(**{**vars(args), "variant": [v for v in args.variant if not is_peer_variant(v)]})
         for variant in args.variant:  # a peer's arm name is not a trainaccel variant's label
             parse_variant(variant, reserved=(*ARMS, *PEER_ARMS))
         arm_options, config, options, emulation = arm_settings(args, arms)
-        peer = {arm: torchft_settings(arm_options[arm]) for arm in arms if arm in PEER_ARMS}
+        arm_options.update(peer_variants)  # (a torchft variant's options are its own, as a trainaccel variant's)
+        peer = {
+            arm: torchft_settings(arm_options[arm]) for arm in arm_options if arm in PEER_ARMS or arm in peer_variants
+        }
         named = {text.rpartition(":")[0] for text in args.lose} | {*args.rejoin, *args.restart, *args.keep_global_batch}
         if named & set(peer):
             raise ValueError("the torchft arm takes no --lose, --rejoin, --restart or --keep-global-batch")

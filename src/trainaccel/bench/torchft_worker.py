@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--clock", required=True, help="HOST:PORT of group 0's store, for the bench's clock")
     parser.add_argument("--sync-every", type=int, required=True)
     parser.add_argument("--sync-fragments", type=int, default=1)
+    parser.add_argument("--sync-overlap", type=int, default=0, help="torchft's fragment_sync_delay")
+    parser.add_argument("--fragment-update-alpha", type=float, default=0.0)
     parser.add_argument("--outer-optimizer", default="average")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
@@ -121,7 +123,16 @@ def main() -> None:
     fragments = [torch.nn.ParameterList(run) for run in runs]
     outers = [outer_optimizer(run, args.outer_optimizer, args.outer_lr, args.outer_momentum) for run in runs]
     pinned = device.type == "cuda"  # the backups in host memory, pinned for a GPU's copies as torchft's default
-    diloco = DiLoCo(manager, fragments, optimizer, outers, sync_every=args.sync_every, pin_memory=pinned)
+    diloco = DiLoCo(
+        manager,
+        fragments,
+        optimizer,
+        outers,
+        sync_every=args.sync_every,
+        pin_memory=pinned,
+        fragment_sync_delay=args.sync_overlap,
+        fragment_update_alpha=args.fragment_update_alpha,
+    )
 
     curve = []  # (step, seconds of training so far, validation loss, validation accuracy)
     elapsed, started = 0.0, 0.0

@@ -130,6 +130,7 @@ class Recorder:
             data["diloco"] = {"steps": diloco.steps, "syncs": diloco.syncs, "bytes_sent": diloco.bytes_sent}
             auto = getattr(getattr(diloco, "outer", diloco), "_auto", None)  # sync_every=auto's state
             data["diloco"]["measured_by_broadcast"] = auto is not None and auto.broadcast is not None
+            data["diloco"]["peak_lr"] = auto.peak_lr if auto is not None else None  # the client's optimizer read
             data["bytes_per_step"] = diloco.bytes_sent / max(diloco.steps, 1)
         if optimizer is not None and hasattr(optimizer, "_compression"):  # Horovod's DistributedOptimizer
             compression = optimizer._compression
