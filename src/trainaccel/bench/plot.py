@@ -78,7 +78,7 @@ def arm_words(arm: str, options: dict[str, str] | None = None) -> str:
     if arm in ARM_WORDS:
         return ARM_WORDS[arm]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (options or {}).items())
-    peer = PEER_WORDS.get(arm.partition("-")[0]) if arm.partition("-")[0] in PEER_WORDS else None  # torchft-LABEL
+    peer = PEER_WORDS.get(arm.partition("-")[0])  # a peer's arm, or its variant (torchft-LABEL)
     return f"{peer or 'trainaccel run'} {flags}".strip()
 
 
