@@ -11,7 +11,13 @@ spec = importlib.util.spec_from_file_location("seed_table", ROOT / "tools" / "se
 seed_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(seed_table)
 
-SETTINGS = {"task": "text", "steps": 300, "batch_size": 4, "eval_every": 30}
+SETTINGS = {
+    "task": "text",
+    "steps": 300,
+    "batch_size": 4,
+    "eval_every": 30,
+    "emulate": "nodes=2,procs-per-node=1,link=100mbit",
+}
 
 
 def arm(seconds, losses):
@@ -22,14 +28,15 @@ def arm(seconds, losses):
     }
 
 
-def run(arms, **settings):
-    return {"settings": {**SETTINGS, **settings}, "arms": arms}
+def run(arms, cpu="AVX512", **settings):
+    return {"settings": {**SETTINGS, **settings}, "arms": arms, "machine": {"cpu_capability": cpu}}
 
 
 def test_shares_pair_seeds_with_the_ceiling_and_losses_with_plain_ddp():
     local = arm([10.0, 12.0, 9.0], [2.9, 2.8, 2.7])
     auto = arm([12.5, 12.0, 10.0], [2.2, 2.53, 2.4])
-    base = run({"baseline": arm([50.0] * 4, [2.0, 2.3, 2.5, 9.9])})  # more seeds than the run: the first ones
+    # More seeds than the run (the first ones count), over a faster link (the same losses).
+    base = run({"baseline": arm([50.0] * 4, [2.0, 2.3, 2.5, 9.9])}, emulate="nodes=2,procs-per-node=1,link=10gbit")
     (row,) = seed_table.rows(run({"local": local, "auto": auto}), base)
     assert row["arm"] == "auto"
     assert row["share"] == pytest.approx([0.8, 1.0, 0.9])
@@ -53,6 +60,12 @@ def test_the_runs_own_baseline_wins_and_no_ceiling_leaves_the_share_out():
     [
         (run({"baseline": arm([1.0], [2.0])}, steps=200), "the baseline's steps=200 differs from the run's 300"),
         (run({"baseline": arm([1.0], [2.0])}, task="digits"), "the baseline's task='digits' differs"),
+        (
+            run({"baseline": arm([1.0], [2.0])}, emulate="nodes=2,procs-per-node=2,link=10gbit"),
+            "the baseline's workers='2x2' differs from the run's '2x1'",
+        ),
+        (run({"baseline": arm([1.0], [2.0])}, emulate=None), "the baseline's workers='1xNone' differs"),
+        (run({"baseline": arm([1.0], [2.0])}, cpu="AVX2"), "the baseline's cpu_capability='AVX2' differs from the"),
         (run({"auto": arm([1.0, 1.0], [2.0, 2.0])}), "the baseline run has no 'baseline' arm; its arms: auto"),
         (run({"baseline": arm([1.0], [2.0])}), "the baseline has 1 seeds, the run 2; accepted: at least as many"),
     ],

@@ -20,6 +20,24 @@ SAME = ("task", "steps", "batch_size", "eval_every")  # the settings a baseline'
 CEILING, BASELINE = "local", "baseline"
 
 
+def workers(run: dict) -> str:
+    """The run's workers as nodes x workers per node (its emulated cluster's, or one machine's local workers)."""
+    settings = run["settings"]
+    spec = dict(item.split("=", 1) for item in (settings.get("emulate") or "").split(",") if "=" in item)
+    if "nodes" in spec:
+        return f"{spec['nodes']}x{spec.get('procs-per-node', 1)}"
+    return f"1x{settings.get('nproc_per_node')}"
+
+
+# What plain DDP's per-seed losses depend on: the settings, the workers, and the CPU's kernels (AVX2 and AVX-512 sum in
+# different orders: the same seed ends elsewhere).
+_SAME_GETTERS = {
+    **{key: (lambda run, key=key: run["settings"].get(key)) for key in SAME},
+    "workers": workers,
+    "cpu_capability": lambda run: run.get("machine", {}).get("cpu_capability"),
+}
+
+
 def final_losses(arm: dict) -> list[float]:
     """Each repeat's validation loss at its last step (its curve's last point: step, seconds, loss, accuracy)."""
     return [curve[-1][2] for curve in arm["curves"]]
@@ -30,11 +48,11 @@ def rows(run: dict, baseline: dict | None = None) -> list[dict]:
     arms = run["arms"]
     base = arms.get(BASELINE)
     if base is None and baseline is not None:
-        for key in SAME:
-            if baseline["settings"].get(key) != run["settings"].get(key):
+        for key, get in _SAME_GETTERS.items():
+            if get(baseline) != get(run):
                 raise ValueError(
-                    f"the baseline's {key}={baseline['settings'].get(key)!r} differs from the run's "
-                    f"{run['settings'].get(key)!r}; accepted: a run of the same {', '.join(SAME)}"
+                    f"the baseline's {key}={get(baseline)!r} differs from the run's {get(run)!r}; accepted: a run "
+                    f"of the same {', '.join(_SAME_GETTERS)}"
                 )
         base = baseline["arms"].get(BASELINE)
         if base is None:

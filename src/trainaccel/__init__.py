@@ -94,9 +94,10 @@ def init(
             Accepted: an integer >= 1; default: 1.
         sync_every: low-communication training (DiLoCo): the per-step gradient exchange is off, each worker's optimizer
             steps alone, and every N optimizer steps the parameter changes are averaged and applied by an outer
-            optimizer (0: off, gradients are exchanged every step; auto: N, at most 4 until a schedule lowers the
-            learning rate below half its peak, and sync_fragments, sync_overlap and outer_compression where left at
-            their defaults, chosen from the measured step and link). Accepted: an integer >= 0, or auto; default: 0.
+            optimizer (0: off, gradients are exchanged every step; auto: N, at most 4 at the peak learning rate and 4 x
+            the square root of its drop from the peak as a schedule lowers it, and sync_fragments, sync_overlap and
+            outer_compression where left at their defaults, chosen from the measured step and link). Accepted: an
+            integer >= 0, or auto; default: 0.
         sync_scope: what one replica is under sync_every: node (the workers of a node still average gradients every
             step, as DDP does, and the nodes' replicas sync every sync_every steps, as DiLoCo's islands), rank (every
             worker steps alone); auto: node for a DDP model over more than one node with the same number (>1) of workers

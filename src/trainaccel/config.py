@@ -325,9 +325,9 @@ class Config:
         _steps_or_auto,
         "low-communication training (DiLoCo): the per-step gradient exchange is off, each worker's optimizer "
         "steps alone, and every N optimizer steps the parameter changes are averaged and applied by an outer "
-        "optimizer (0: off, gradients are exchanged every step; auto: N, at most 4 until a schedule lowers the "
-        "learning rate below half its peak, and sync_fragments, sync_overlap and outer_compression where left at "
-        "their defaults, chosen from the measured step and link)",
+        "optimizer (0: off, gradients are exchanged every step; auto: N, at most 4 at the peak learning rate and "
+        "4 x the square root of its drop from the peak as a schedule lowers it, and sync_fragments, sync_overlap "
+        "and outer_compression where left at their defaults, chosen from the measured step and link)",
     )
     sync_scope: str = _option(
         "auto",

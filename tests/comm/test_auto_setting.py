@@ -129,16 +129,18 @@ def test_later_rounds_rechoose_h_only_and_say_why():
         (1.0, 4),
         (0.5, 4),
         (1.5, 4),
-        (2.0, 4),
-        (2.3, 5),
-        (3.0, 9),
-        (10.0, 100),
-        (30.0, 500),
+        (1.5625, 5),
+        (2.0, 5),
+        (4.0, 8),
+        (10.0, 12),
+        (100.0, 40),
+        (15625.0, 500),
+        (1e9, 500),
         (math.inf, 500),
         (math.nan, 4),
     ],
 )
-def test_the_quality_cap_grows_as_the_square_of_the_learning_rates_drop(lr_drop, cap):
+def test_the_quality_cap_grows_as_the_square_root_of_the_learning_rates_drop(lr_drop, cap):
     assert quality_cap(lr_drop) == cap  # at least H_CAP (at the peak, or above it); at most H_MOST
 
 
@@ -146,18 +148,18 @@ def test_h_follows_the_learning_rate_down_its_schedule_as_far_as_the_syncs_need(
     # The syncs' cost wants H = 12 (0.4 s every 12 steps of 0.3 s: 10% of the time); at the peak, H_CAP.
     first = choose(Measured(0.3, 0.4, "none", ELEMENTS, 2), frozenset(), 1, 0, "none", 30)
     assert first.interval == H_CAP and first.why.endswith("H capped at 4 for quality")
-    assert rechoose(first, 0.3, 0.4, lr_drop=2.0) is first  # the learning rate at half its peak: still 4
-    third = rechoose(first, 0.3, 0.4, lr_drop=3.0)  # at a third: at most 9
-    assert third.interval == 9 and third.why.endswith(
-        "H capped at 9 for quality, the learning rate 3.00x below its peak"
+    assert rechoose(first, 0.3, 0.4, lr_drop=1.5) is first  # the learning rate at two thirds of its peak: still 4
+    quarter = rechoose(first, 0.3, 0.4, lr_drop=4.0)  # at a quarter: at most 4 x 2
+    assert quarter.interval == 8 and quarter.why.endswith(
+        "H capped at 8 for quality, the learning rate 4.00x below its peak"
     )
-    low = rechoose(third, 0.3, 0.4, lr_drop=8.0)  # at an eighth: the cap (64) is past what the syncs need
+    low = rechoose(quarter, 0.3, 0.4, lr_drop=16.0)  # at a sixteenth: the cap (16) is past what the syncs need
     assert low.interval == 12 and "H=12 keeps syncs within 10% of the time even unhidden" in low.why
-    assert rechoose(low, 0.3, 0.4, lr_drop=16.0) is low  # no change, nothing said
+    assert rechoose(low, 0.3, 0.4, lr_drop=64.0) is low  # no change, nothing said
     rose = rechoose(low, 0.3, 0.4, lr_drop=2.3)  # a warm restart: down to the cap at once, not by the share's rule
-    assert rose.interval == 5 and rose.why.endswith("H capped at 5 for quality, the learning rate 2.30x below its peak")
+    assert rose.interval == 6 and rose.why.endswith("H capped at 6 for quality, the learning rate 2.30x below its peak")
     # The measuring round's choice takes the drop the ranks agreed on too.
-    later = choose(Measured(0.3, 0.4, "none", ELEMENTS, 2, lr_drop=4.0), frozenset(), 1, 0, "none", 30)
+    later = choose(Measured(0.3, 0.4, "none", ELEMENTS, 2, lr_drop=16.0), frozenset(), 1, 0, "none", 30)
     assert later.interval == 12
 
 
@@ -419,8 +421,8 @@ def test_h_grows_as_the_inner_learning_rate_falls_alike_on_every_rank(tmp_path):
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert first["intervals"] == second["intervals"]  # the least drop of any rank's: every rank schedules alike
     assert first["intervals"][:12] == [H_CAP] * 12  # at the peak (its drop is read a round after it is measured)
-    assert first["intervals"][-1] == quality_cap(4.0) == 16  # rank 1's learning rate fell to a quarter: 4^2
+    assert first["intervals"][-1] == quality_cap(4.0) == 8  # rank 1's learning rate fell to a quarter: 4 x 2
     assert first["peak"] == second["peak"] == first["resumed_peak"] == 0.1  # the checkpoint keeps the peak
     lines = (proc.stdout + proc.stderr).splitlines()
-    said = [line for line in lines if "sync_every=auto: H=16" in line and "from the checkpoint" not in line]
-    assert len(said) == 1 and "H capped at 16 for quality, the learning rate 4.00x below its peak" in said[0], said
+    said = [line for line in lines if "sync_every=auto: H=8" in line and "from the checkpoint" not in line]
+    assert len(said) == 1 and "H capped at 8 for quality, the learning rate 4.00x below its peak" in said[0], said

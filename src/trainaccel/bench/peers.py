@@ -26,6 +26,7 @@ from typing import Any
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation
 from trainaccel.bench.tasks import task_flags
+from trainaccel.bench.train import variant_options
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, plain_env, run_together, stop
 
@@ -66,17 +67,7 @@ def parse_peer_variant(text: str) -> tuple[str, dict[str, str]]:
         not label.startswith("torchft-") or label == "torchft-" or any(c.isspace() for c in label)
     ):
         raise ValueError(f"invalid --variant {text!r}; accepted: torchft-LABEL:option=value,...")
-    options = {}
-    for item in filter(None, (i.strip() for i in rest.split(","))):
-        name, eq, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not eq or name not in (*SETTINGS, "sync_scope", *OWN, *UNMATCHED):
-            raise ValueError(
-                f"invalid option {item!r} in --variant {label}; accepted: option=value with options "
-                f"{', '.join((*SETTINGS, 'sync_scope', *OWN))}"
-            )
-        options[name] = value.strip()
-    return label, options
+    return label, variant_options(label, rest, (*SETTINGS, "sync_scope", *OWN), tuple(UNMATCHED))
 
 
 def torchft_settings(options: dict[str, str]) -> dict[str, Any]:

@@ -84,6 +84,22 @@ def parse_arms(text: str | None, accepted: tuple[str, ...], what: str = "") -> l
     return arms
 
 
+def variant_options(label: str, text: str, accepted: tuple[str, ...], unlisted: tuple[str, ...] = ()) -> dict[str, str]:
+    """A variant's `opt=value,...` -> {option: value}, each name in `accepted` (or `unlisted`: taken, not named in
+    the error); ValueError naming the item and the accepted options otherwise."""
+    options: dict[str, str] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or name not in (*accepted, *unlisted):
+            raise ValueError(
+                f"invalid option {item!r} in --variant {label}; accepted: option=value with options "
+                f"{', '.join(accepted)}"
+            )
+        options[name] = value.strip()
+    return options
+
+
 def parse_variant(text: str, reserved: tuple[str, ...] = ARMS) -> tuple[str, dict[str, str]]:
     """`LABEL:opt=value,...` -> (label, options), each option checked as trainaccel checks it."""
     label, sep, rest = text.partition(":")
@@ -93,16 +109,7 @@ def parse_variant(text: str, reserved: tuple[str, ...] = ARMS) -> tuple[str, dic
             f"invalid --variant {text!r}; accepted: LABEL:option=value,... with a label other than "
             f"{', '.join(reserved)}"
         )
-    options: dict[str, str] = {}
-    for item in filter(None, (i.strip() for i in rest.split(","))):
-        name, eq, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not eq or name not in Config.option_names():
-            raise ValueError(
-                f"invalid option {item!r} in --variant {label}; accepted: option=value with options "
-                f"{', '.join(Config.option_names())}"
-            )
-        options[name] = value.strip()
+    options = variant_options(label, rest, Config.option_names())
     try:
         config = Config.resolve(env={}, flags=options)
     except ConfigError as e:
