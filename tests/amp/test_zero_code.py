@@ -44,6 +44,7 @@ def test_amp_bf16_runs_the_forward_in_bfloat16_and_reaches_the_fp32_loss(tmp_pat
     assert _final_loss(ranks) < 0.2 * statistics.mean(r["losses"][0] for r in ranks)
 
 
+@pytest.mark.comm_full  # CI keeps compile's own test (tests/test_compiler.py)
 def test_compile_trains_the_same_script_with_the_eager_trajectory(tmp_path, eager):
     ranks = _train(tmp_path, "--compile")
     for r, e in zip(ranks, eager):
@@ -63,6 +64,7 @@ def test_amp_fp16_with_the_one_line_scaler(tmp_path, eager):
     assert _final_loss(ranks) < 0.2 * statistics.mean(r["losses"][0] for r in ranks)
 
 
+@pytest.mark.comm_full  # CI keeps the policy's unit tests and the amp levels' runs beside this one
 def test_amp_level_o1_with_the_auto_policy_holds_full_precision_after_a_learning_rate_drop(tmp_path):
     # spike=10 keeps this noisy toy loss from triggering; the drop at step 15 is seen after that step.
     # Compiled too: the per-step decision must not make the compiler specialise on the step.

@@ -41,7 +41,7 @@ def test_the_transform_gives_the_same_pixels_on_pil_images_and_tensors(tmp_path)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("uint8", marks=pytest.mark.bench_full)])
 def test_bench_data_reports_every_arm(tmp_path, dtype):
     proc = run(
         [
@@ -98,6 +98,7 @@ def test_bad_arms_are_named():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.bench_full  # remote reads are tested against the same servers in tests/data/test_remote.py
 def test_bench_data_streams_from_a_real_store_behind_a_delaying_proxy(tmp_path):
     args = ["--work", tmp_path / "work", "--images", 24, "--classes", 2, "--repeats", 1, "--batch-size", 8]
     arms = "files,records,records-local"

@@ -101,6 +101,7 @@ def test_the_adaptive_ratio_rises_alike_on_every_rank_and_tracks_the_sum_closer(
         assert r[f"feedback_{name}"]["rel_err"] < r["feedback_topk_1%"]["rel_err"]
 
 
+@pytest.mark.comm_full  # a sibling of the hierarchy's test on even nodes
 def test_uneven_nodes_reduce_flat_with_one_warning(tmp_path):
     procs = run_nodes(SCRIPTS / "uneven_nodes.py", tmp_path, per_node=[2, 1])
     for proc in procs:

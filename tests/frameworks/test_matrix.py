@@ -48,20 +48,30 @@ OPTIONS = {
 }
 LAUNCHES = ("run", "init")
 NODE_SCOPE = {option for option, given in OPTIONS.items() if given.get("sync_scope") == "node"}  # 2 nodes x 2
-# The CI subset: every client once and every option once (Lightning with a validation loop under fp16: the hook on
-# a model the framework leaves in eval mode), and the one-line form once; the whole matrix is frameworks_full.
+# The CI subset: every client once (Lightning with a validation loop under fp16: the hook on a model the framework
+# leaves in eval mode), sync_every in three forms (fixed, fp4, auto), and the one-line form once; the other options
+# run in CI outside a framework (`OUTSIDE`). The whole matrix is frameworks_full.
 CI = {
     ("plain", "sync_every", "run"),
-    ("plain", "shard_full", "run"),
     ("plain", "fp16", "init"),
-    ("hf_trainer", "topk", "run"),
     ("hf_trainer", "sync_every_fp4", "run"),
-    ("lightning", "amp_bf16", "run"),
     ("lightning", "sync_every_auto", "run"),
     ("lightning_validate", "fp16", "run"),
     ("accelerate", "none", "run"),
     ("accelerate_gpt2", "sync_every", "run"),
     ("horovod", "fp16", "run"),
+}
+# Options CI runs outside this matrix: node scope starts 4 workers (the engine's tests run it), tests/resilience runs
+# the lost-replica mode's losses, the engine matrix runs fp16's peak scale and topk under every DDP setting, tests/amp
+# amp's levels, tests/test_sharding.py the sharded modes.
+OUTSIDE = {
+    "sync_every_node",
+    "sync_every_auto_node",
+    "sync_every_continue",
+    "fp16_peak",
+    "topk",
+    "amp_bf16",
+    "shard_full",
 }
 # Cells that fail today, each with what was seen and where the cause is: strict, so that a fix shows as XPASS.
 XFAIL: dict[tuple[str, str, str], str] = {}
@@ -237,7 +247,4 @@ def test_cell(client, option, how, tmp_path):
 
 def test_the_ci_subset_covers_every_client_and_option():
     assert {client for client, _, _ in CI} == set(CLIENTS)
-    # Outside CI's subset: node scope (4 workers), the lost-replica mode (tests/resilience runs its losses), and
-    # fp16's peak scale (CI runs its code path under every DDP setting: the engine matrix's fp16-peak column).
-    outside = {"sync_every_node", "sync_every_auto_node", "sync_every_continue", "fp16_peak"}
-    assert {option for _, option, _ in CI} | outside == set(OPTIONS)
+    assert {option for _, option, _ in CI} | OUTSIDE == set(OPTIONS)

@@ -104,6 +104,7 @@ def test_restart_resumes_from_the_last_commit(tmp_path):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
 
 
+@pytest.mark.comm_full  # a sibling of the restart's resume from the last commit
 def test_failure_without_restarts_then_resume_on_more_workers(tmp_path):
     state = tmp_path / "state"
     env = {"TRAINACCEL_ELASTIC_DIR": str(state)}
