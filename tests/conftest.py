@@ -30,7 +30,8 @@ os.environ.update(CHECK_OWNERS)
 # runs them too.
 BENCH_FULL = "bench_full"
 # The engine's jobs that repeat a sibling's path with one thing changed (a restart at another step, a world of 2
-# beside one of 3, sharding's other modes, a zero-code run beside the feature's own test): CI keeps the sibling; `pytest -m comm_full` or TRAINACCEL_COMM_FULL=1.
+# beside one of 3, sharding's other modes, a zero-code run beside the feature's own test): CI keeps the sibling;
+# `pytest -m comm_full` or TRAINACCEL_COMM_FULL=1.
 COMM_FULL = "comm_full"
 # Fault cases that repeat a sibling's path (each starts emulated nodes): CI keeps a zero-code node's rejoin (the node
 # lost first), and one fault of each kind a restart follows; `pytest -m resilience_full` or
