@@ -297,6 +297,38 @@ def isolated_by_shutdown():
 
 
 @pytest.fixture
+def cli(monkeypatch, capsys):
+    """The `trainaccel` command run in this process, as its entry point runs it, where it must stop before any launch
+    (bad input, --dry-run): a `run` that would start processes fails the test. A command's own process would spend
+    seconds importing torch for each of these; test_cli.py runs a few as real processes."""
+    from trainaccel.cli import main
+    from trainaccel.launch import hosts
+    from trainaccel.launch import run as launch_run
+
+    def launched(*args, **kwargs):
+        pytest.fail("trainaccel run started processes")
+
+    monkeypatch.setattr(launch_run, "_run_torchrun", launched)
+    monkeypatch.setattr(hosts, "run_plan", launched)
+
+    def call(argv: list, env: dict | None = None) -> subprocess.CompletedProcess:
+        for name in [n for n in os.environ if n.startswith("TRAINACCEL_")]:
+            monkeypatch.delenv(name)
+        for name, value in {**CHECK_OWNERS, **(env or {})}.items():  # as `run` gives a command
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        argv = [str(a) for a in argv]
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(["trainaccel", *argv], code, captured.out, captured.err)
+
+    return call
+
+
+@pytest.fixture
 def scripts() -> Path:
     return SCRIPTS
 

@@ -22,9 +22,8 @@ def test_info_reports_versions_backends_and_config():
     assert "TRAINACCEL_TYPO is not a trainaccel option" in out
 
 
-@pytest.mark.multiprocess
-def test_info_rejects_a_bad_env_value():
-    proc = run([*trainaccel_cmd(), "info"], env={"TRAINACCEL_HIERARCHICAL": "sideways"})
+def test_info_rejects_a_bad_env_value(cli):
+    proc = cli(["info"], env={"TRAINACCEL_HIERARCHICAL": "sideways"})
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "trainaccel info: error: invalid hierarchical='sideways' (from TRAINACCEL_HIERARCHICAL); accepted: auto, on, off"
@@ -106,9 +105,8 @@ def test_demo_on_a_slow_link_reports_time_and_validation_loss_per_arm(tmp_path):
     assert set(namespaces("ta")) <= before, "the emulated cluster was not removed"
 
 
-@pytest.mark.multiprocess
-def test_demo_rejects_bad_arguments():
-    proc = run([*trainaccel_cmd(), "demo", "--steps", "5", "--warmup", "5"])
+def test_demo_rejects_bad_arguments(cli):
+    proc = cli(["demo", "--steps", "5", "--warmup", "5"])
     assert proc.returncode == 2 and "accepted: 0 <= warmup < steps" in proc.stderr
 
 
@@ -203,11 +201,10 @@ def test_bad_input_from_the_command_itself(case):
     assert proc.returncode == 2 and len(out) <= 3 and said in out[0], out
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "train"], ["pack", "coco"], ["demo"]])
-def test_each_command_shows_its_own_usage(argv):
+def test_each_command_shows_its_own_usage(cli, argv):
     """Not the root's command list: argparse names a subcommand by the parent's usage unless told its prog."""
-    proc = run([*trainaccel_cmd(), *argv, "--help"], timeout=60)
+    proc = cli([*argv, "--help"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: trainaccel {' '.join(argv)} "), proc.stdout[:300]
 

@@ -91,9 +91,8 @@ def test_bench_data_reports_every_arm(tmp_path, dtype):
     assert packed["records"] == 30 and packed["plan"]["options"]["max_side"] == 256
 
 
-@pytest.mark.multiprocess
-def test_bad_arms_are_named():
-    proc = run([*trainaccel_cmd(), "bench", "data", "--arms", "files,nope"])
+def test_bad_arms_are_named(cli):
+    proc = cli(["bench", "data", "--arms", "files,nope"])
     assert proc.returncode == 2 and "invalid --arms 'files,nope'" in proc.stderr
 
 

@@ -145,7 +145,6 @@ def test_bad_arms_are_refused_naming_what_is_accepted():
             parse_arms("baseline,torch-bf16", ARMS)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -154,8 +153,11 @@ def test_bad_arms_are_refused_naming_what_is_accepted():
         (["--variant", "baseline:compression=fp16"], "with a label other than baseline"),
     ],
 )
-def test_bad_flags_stop_before_any_worker_starts(flags, message):
-    proc = run([*trainaccel_cmd(), "bench", "quality", *flags])
+def test_bad_flags_stop_before_any_worker_starts(cli, monkeypatch, flags, message):
+    from trainaccel.bench import jobs
+
+    monkeypatch.setattr(jobs, "run_workers", lambda *a, **k: pytest.fail("a worker started"))
+    proc = cli(["bench", "quality", *flags])
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 

@@ -2,7 +2,6 @@ import shlex
 
 import pytest
 
-from conftest import run, trainaccel_cmd
 from trainaccel.launch.hosts import Host, allocate, parse_hostfile, parse_hosts, reachable_name
 from trainaccel.launch.run import LaunchError
 
@@ -41,11 +40,9 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.multiprocess
-def test_dry_run_prints_one_torchrun_per_host(tmp_path):
-    proc = run(
+def test_dry_run_prints_one_torchrun_per_host(cli):
+    proc = cli(
         [
-            *trainaccel_cmd(),
             "run",
             "-np",
             "4",
@@ -84,11 +81,10 @@ def test_dry_run_prints_one_torchrun_per_host(tmp_path):
         assert argv[-3:] == ["train.py", "--epochs", "3"]
 
 
-@pytest.mark.multiprocess
-def test_hostfile_and_partial_np(tmp_path):
+def test_hostfile_and_partial_np(cli, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA slots=4\nnodeB slots=4\n")
-    proc = run([*trainaccel_cmd(), "run", "-np", "6", "--hostfile", hostfile, "--dry-run", "-m", "pkg.train"])
+    proc = cli(["run", "-np", "6", "--hostfile", hostfile, "--dry-run", "-m", "pkg.train"])
     assert proc.returncode == 0, proc.stderr
     first, second = _commands(proc.stdout)
     assert first[:4] == ["ssh", "-o", "BatchMode=yes", "nodeA"]
@@ -98,7 +94,6 @@ def test_hostfile_and_partial_np(tmp_path):
     assert all("-m" in a[a.index("trainaccel.launch") :] and a[-1] == "pkg.train" for a in inner)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -110,16 +105,15 @@ def test_hostfile_and_partial_np(tmp_path):
         (["-H", "a:2", "--standalone"], "--standalone is set from the host list"),
     ],
 )
-def test_bad_host_lists_fail_with_one_line(args, message):
-    proc = run([*trainaccel_cmd(), "run", *args, "--dry-run", "train.py"])
+def test_bad_host_lists_fail_with_one_line(cli, args, message):
+    proc = cli(["run", *args, "--dry-run", "train.py"])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
-@pytest.mark.multiprocess
-def test_single_host_dry_run_routes_through_bootstrap():
-    proc = run([*trainaccel_cmd(), "run", "--nproc_per_node", "2", "--bucket_mb", "4", "--dry-run", "train.py", "-x"])
+def test_single_host_dry_run_routes_through_bootstrap(cli):
+    proc = cli(["run", "--nproc_per_node", "2", "--bucket_mb", "4", "--dry-run", "train.py", "-x"])
     assert proc.returncode == 0, proc.stderr
     (argv,) = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
     assert argv[0] == "TRAINACCEL_BUCKET_MB=4.0"
