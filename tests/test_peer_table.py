@@ -25,7 +25,8 @@ def arm(*repeats, bytes_per_step=None):
 
 
 def run(**arms):
-    return {"settings": {"steps": 300, "repeats": 3}, "tolerance": 0.01, "arms": arms}
+    # (the bench's own target, `tolerance`, is not the table's: plain DDP's loss + 1%)
+    return {"settings": {"steps": 300, "repeats": 3}, "tolerance": 0.02, "arms": arms}
 
 
 RUN = run(
