@@ -1,4 +1,4 @@
-"""Real storage servers on loopback for `bench data --store` and the tests: nginx over a folder, moto's S3 server."""
+"""Real servers for the benches and the tests: nginx over a folder, moto's S3 server, an etcd cluster."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 NGINX_CONF = """
@@ -132,6 +133,121 @@ class MotoS3:
 
     def close(self) -> None:
         _stop(self.proc)
+
+
+class EtcdCluster:
+    """An etcd cluster (Debian's etcd-server, or any etcd >= 3.4 on the PATH) of one member per host in `hosts`.
+
+    On loopback (the default: `members` members on 127.0.0.1) each member takes free ports; on hosts of their own
+    (emulated nodes' addresses, each member started through its node's `prefixes` entry) the usual 2379 and 2380.
+    `url` is the store's address for `trainaccel`: etcd://HOST:PORT,... .
+    """
+
+    def __init__(
+        self,
+        scratch: Path,
+        members: int = 3,
+        hosts: list[str] | None = None,
+        prefixes: list[list[str]] | None = None,
+        token: str = "trainaccel",
+    ):
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError(
+                "etcd is not installed; the replicated store's tests and benches start a cluster of it "
+                "(Debian, Ubuntu: apt-get install etcd-server)"
+            )
+        self.binary, self.scratch, self.token = binary, scratch, token
+        self.hosts = hosts or ["127.0.0.1"] * members
+        self.prefixes = prefixes or [[] for _ in self.hosts]
+        loopback = hosts is None
+        self.ports = [(free_port(), free_port()) if loopback else (2379, 2380) for _ in self.hosts]
+        self.names = [f"m{k}" for k in range(len(self.hosts))]
+        self.initial = ",".join(
+            f"{name}=http://{host}:{peer}" for name, host, (_, peer) in zip(self.names, self.hosts, self.ports)
+        )
+        self.procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
+        self.url = "etcd://" + ",".join(f"{host}:{client}" for host, (client, _) in zip(self.hosts, self.ports))
+        try:
+            for k in range(len(self.hosts)):
+                self.start(k, state="new")
+            self.wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self, k: int, state: str = "existing") -> None:
+        """Start member `k` (again: with its data, it rejoins the cluster)."""
+        host, (client, peer) = self.hosts[k], self.ports[k]
+        data = self.scratch / f"etcd-{self.names[k]}"
+        data.mkdir(parents=True, exist_ok=True)
+        log = open(self.scratch / f"etcd-{self.names[k]}.log", "a")  # noqa: SIM115 (the member's own file)
+        self.procs[k] = subprocess.Popen(
+            [
+                *self.prefixes[k],
+                self.binary,
+                f"--name={self.names[k]}",
+                f"--data-dir={data}",
+                f"--listen-client-urls=http://{host}:{client}",
+                f"--advertise-client-urls=http://{host}:{client}",
+                f"--listen-peer-urls=http://{host}:{peer}",
+                f"--initial-advertise-peer-urls=http://{host}:{peer}",
+                f"--initial-cluster={self.initial}",
+                f"--initial-cluster-state={state}",
+                f"--initial-cluster-token={self.token}",
+                "--log-level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+    def health(self, k: int) -> bool:
+        """Whether member `k` answers and sees a leader."""
+        host, (client, _) = self.hosts[k], self.ports[k]
+        try:
+            with urllib.request.urlopen(f"http://{host}:{client}/health", timeout=2) as reply:
+                return b'"health":"true"' in reply.read()
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for k, proc in enumerate(self.procs):
+            while proc is not None and not self.health(k):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.scratch / f"etcd-{self.names[k]}.log").read_text()[-2000:]
+                    raise RuntimeError(f"etcd member {self.names[k]} is not healthy (exit {proc.poll()}): {log}")
+                time.sleep(0.1)
+
+    def leader(self) -> int:
+        """The index of the member that leads now."""
+        import json
+
+        for k, (host, (client, _)) in enumerate(zip(self.hosts, self.ports)):
+            if self.procs[k] is None or self.procs[k].poll() is not None:
+                continue
+            request = urllib.request.Request(f"http://{host}:{client}/v3/maintenance/status", data=b"{}")
+            try:
+                with urllib.request.urlopen(request, timeout=2) as reply:
+                    status = json.loads(reply.read())
+            except OSError:
+                continue
+            if status.get("leader") and status["leader"] == status["header"]["member_id"]:
+                return k
+        raise RuntimeError("no etcd member leads")
+
+    def kill(self, k: int) -> None:
+        """Member `k` killed outright (SIGKILL), as when its node is lost."""
+        proc = self.procs[k]
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def close(self) -> None:
+        for k in range(len(self.procs)):
+            self.kill(k)
 
 
 class Remote:
