@@ -37,6 +37,7 @@ def init(
     sync_fragments: int | None = None,
     sync_overlap: int | None = None,
     on_lost_replica: Literal["stop", "continue"] | None = None,
+    store: Literal["agent"] | str | None = None,
     outer_optimizer: Literal["average", "nesterov", "sgd"] | None = None,
     outer_lr: float | None = None,
     outer_momentum: float | None = None,
@@ -114,6 +115,10 @@ def init(
             under plain DDP) or continue (they leave it out and train on: under sync_every from the next sync, else from
             the step whose gradient exchange it missed, which they do again among themselves). Accepted: stop, continue;
             default: stop.
+        store: where the job's store lives (rendezvous, heartbeats, the roll call): agent (torchrun's, in the first
+            node's agent: losing that node ends the job) or etcd://HOST:PORT,... (an etcd cluster of 3 or 5 members: the
+            job outlives any node while a majority of them answers; needs --rdzv-id). Accepted: agent, or
+            etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses); default: agent.
         outer_optimizer: the update applied at each sync of sync_every: average (the replicas' mean; outer_lr and
             outer_momentum unused), nesterov (SGD with Nesterov momentum on the averaged change, as DiLoCo's long runs),
             sgd (heavy-ball momentum). Accepted: average, nesterov, sgd; default: average.

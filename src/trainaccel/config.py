@@ -165,6 +165,41 @@ _fp16_scale = _keyword_or(
 )
 
 
+STORE_SCHEME = "etcd://"
+
+
+def parse_endpoints(url: str) -> list[tuple[str, int]]:
+    """`etcd://host:port,host:port,...` -> [(host, port), ...]; ValueError naming the value otherwise."""
+    accepted = "accepted: etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses, usually port 2379)"
+    if not url.startswith(STORE_SCHEME) or not url[len(STORE_SCHEME) :].strip(","):
+        raise ValueError(f"invalid store {url!r}; {accepted}")
+    endpoints = []
+    for part in url[len(STORE_SCHEME) :].split(","):
+        host, sep, port = part.strip().rpartition(":")
+        host = host.strip("[]")  # an IPv6 address in brackets
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"invalid store member {part!r} in {url!r}; {accepted}")
+        endpoints.append((host, int(port)))
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"invalid store {url!r}: a member is named twice; {accepted}")
+    return endpoints
+
+
+def _store(name: str, raw: Any) -> str:
+    text = str(raw).strip() if raw is not None else "agent"
+    if text in ("", "agent"):
+        return "agent"
+    try:
+        return "etcd://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in parse_endpoints(text))
+    except ValueError:
+        raise ConfigError(name, raw, _store.accepted) from None
+
+
+_store.accepted = "agent, or etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses)"  # type: ignore[attr-defined]
+_store.annotation = 'Literal["agent"] | str'  # type: ignore[attr-defined]
+_store.metavar = "{agent}|etcd://HOST:PORT,..."  # type: ignore[attr-defined]
+
+
 def _ratio_or_unset(name: str, raw: Any) -> float | None:
     if raw is None or (isinstance(raw, str) and raw.strip() == ""):
         return None
@@ -256,7 +291,7 @@ TOPICS: dict[str, tuple[str, ...]] = {
     "sharding": ("shard", "shard_min_params"),
     "precision and compile": ("amp", "amp_policy", "compile", "compile_preset"),
     "monitoring": ("metrics_every", "straggler_every", "straggler_threshold", "timeline", "log_level"),
-    "faults": ("on_lost_replica", "nan_check", "collective_timeout", "hang_timeout"),
+    "faults": ("on_lost_replica", "store", "nan_check", "collective_timeout", "hang_timeout"),
 }
 
 
@@ -362,6 +397,13 @@ class Config:
         "what the other replicas do when one dies, hangs or is cut off: stop (every node's job ends, as under plain "
         "DDP) or continue (they leave it out and train on: under sync_every from the next sync, else from the step "
         "whose gradient exchange it missed, which they do again among themselves)",
+    )
+    store: str = _option(
+        "agent",
+        _store,
+        "where the job's store lives (rendezvous, heartbeats, the roll call): agent (torchrun's, in the first node's "
+        "agent: losing that node ends the job) or etcd://HOST:PORT,... (an etcd cluster of 3 or 5 members: the job "
+        "outlives any node while a majority of them answers; needs --rdzv-id)",
     )
     outer_optimizer: str = _option(
         "average",
@@ -507,7 +549,9 @@ class Config:
                     # A bare switch: an optional value would swallow the training script's name.
                     kwargs.update(action="store_const", const=f.metadata["switch"])
                 else:
-                    kwargs["metavar"] = _metavar(f.metadata["parse"].annotation)
+                    kwargs["metavar"] = getattr(f.metadata["parse"], "metavar", None) or _metavar(
+                        f.metadata["parse"].annotation
+                    )
                 group.add_argument(cls.flag_name(name), *f.metadata["aliases"], help=cls.help_for(name), **kwargs)
                 if "_" in name:  # --sync_every works as torchrun's --nproc_per_node does; the help shows one spelling
                     group.add_argument("--" + name, help=argparse.SUPPRESS, **kwargs)

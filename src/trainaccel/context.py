@@ -24,10 +24,15 @@ _taken: set[str] = set()  # what took init()'s options in this process: "a DDP m
 _MISSING = object()
 
 
-def is_rank_zero() -> bool:
-    """Rank 0 of the default group, or a process that has no group (yet)."""
+def speaks_for_job() -> bool:
+    """Whether this worker says what is true of the whole job: rank 0 of the default group, the lowest live rank once
+    rank 0 was lost (on_lost_replica=continue), or a process that has no group (yet)."""
     dist = sys.modules.get("torch.distributed")  # never imported here: a process without torch is rank 0
-    return dist is None or not dist.is_initialized() or dist.get_rank() == 0
+    if dist is None or not dist.is_initialized():
+        return True
+    membership = sys.modules.get("trainaccel.resilience.membership")  # (imported by whoever keeps the members)
+    live = membership.live_ranks() if membership is not None else None
+    return dist.get_rank() == (min(live) if live else 0)
 
 
 def rank() -> int:
@@ -40,7 +45,7 @@ def rank() -> int:
 
 def say_once(level: int, message: str, every_rank: bool = False) -> None:
     """Log a fact about the whole job once, from rank 0 (or a fact about this worker, once, from it)."""
-    if message not in _said and (every_rank or is_rank_zero()):
+    if message not in _said and (every_rank or speaks_for_job()):
         _said.add(message)
         log.log(level, message)
 

@@ -31,6 +31,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
     from trainaccel.resilience.failfast import set_collective_timeout
 
     set_collective_timeout(config.collective_timeout)
+    _store_on_etcd(config.store)  # (first: the attempt's keys are then prefixed on it)
     _key_groups_by_attempt()
     _explain_uncaught_failures()
     if is_distributed():
@@ -70,6 +71,39 @@ def shutdown() -> None:
     Models built before keep DDP's communication hook (DDP cannot unregister one) and lose the rest.
     """
     context.undo_all()
+
+
+def _store_on_etcd(store: str) -> None:
+    """Under store=etcd://..., an env:// group (the script's, trainaccel's) rendezvouses on the job's etcd store, not
+    on a TCPStore on the first node (until shutdown)."""
+    if store == "agent" or not context.first_time("env:// on etcd"):
+        return
+    import importlib
+    import urllib.parse
+
+    from trainaccel.resilience import job_store
+
+    job_store.configure(store)
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers["env"]
+
+    def env_handler(url: str, timeout: Any = None, **kwargs: Any) -> Any:
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))  # init_process_group's rank, size
+        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+        world = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+        if rank < 0 or world < 1:
+            raise ValueError(f"env:// on the job's store ({job_store.describe()}): RANK and WORLD_SIZE are not set")
+        store = job_store.shared()
+        if timeout is not None:
+            store.set_timeout(timeout)
+        yield store, rank, world
+
+    def undo() -> None:
+        handlers["env"] = original
+        job_store.configure(None)
+
+    handlers["env"] = env_handler
+    context.on_undo("env:// on etcd", undo)
 
 
 def _key_groups_by_attempt() -> None:
@@ -139,8 +173,10 @@ def _start_process_group(mapped: dict[str, str]) -> None:
 
     if not dist.is_available() or dist.is_initialized() or not is_distributed():
         return
+    from trainaccel.resilience import job_store
+
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
+    if missing and not job_store.on_etcd():
         how = " (mpirun -x MASTER_ADDR -x MASTER_PORT)" if mapped else ""
         raise RuntimeError(
             f"cannot start the process group: {' and '.join(missing)} not set; "

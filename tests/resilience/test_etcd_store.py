@@ -22,7 +22,8 @@ if shutil.which("etcd") is None:
         "etcd is not installed (sh tools/install-test-servers installs Debian's etcd-server)", allow_module_level=True
     )
 
-from trainaccel.resilience.etcd_store import EtcdStore, parse_endpoints  # noqa: E402
+from trainaccel.config import parse_endpoints  # noqa: E402
+from trainaccel.resilience.etcd_store import EtcdStore  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

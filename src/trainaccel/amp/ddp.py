@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 from trainaccel import context
 from trainaccel.amp.policy import PrecisionPolicy, zero_code_policy
 from trainaccel.config import Config
-from trainaccel.context import info_once, is_rank_zero, warn_once
+from trainaccel.context import info_once, speaks_for_job, warn_once
 from trainaccel.observer import StepObserver, watch_backward, watch_optimizer_steps
 
 log = logging.getLogger("trainaccel")
@@ -127,7 +127,7 @@ class AmpState:
             self.decided_at = step
             lr = float(_observed.lr) if isinstance(_observed.lr, torch.Tensor) else _observed.lr
             self.policy.enabled(step=step, lr=lr, loss=_observed.loss, scaler=_observed.scaler)
-            if self.policy.decision != before and is_rank_zero():
+            if self.policy.decision != before and speaks_for_job():
                 if self.policy.decision:
                     log.info("amp: autocast from step %d", step)
                 else:

@@ -89,12 +89,20 @@ def main(argv: list[str] | None = None) -> int:
             # init_process_group by nothing that changes between attempts: a restarted group can read the
             # last attempt's Gloo addresses and fail or hang. A fresh store per attempt avoids that.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        if config.store != "agent":
+            from trainaccel.launch.rendezvous import check_etcd_args
+
+            check_etcd_args(args, config.store)
         if args.np is not None or args.hosts or args.hostfile:
             from trainaccel.launch.hosts import plan_hosts
 
-            plan = plan_hosts(args, env)
+            plan = plan_hosts(args, env)  # (each host's own trainaccel run rendezvouses on etcd, if asked)
         else:
             plan = None
+            if config.store != "agent":
+                from trainaccel.launch.rendezvous import use_etcd
+
+                use_etcd(args, config.store)
     except (ConfigError, LaunchError, OSError) as e:
         print(f"trainaccel run: error: {e}", file=sys.stderr)
         return 2

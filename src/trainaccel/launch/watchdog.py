@@ -283,7 +283,7 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
     already: the worker's own, or an earlier one); returns the failure published, or None."""
     from torch.distributed import TCPStore
 
-    from trainaccel.resilience import failfast
+    from trainaccel.resilience import failfast, job_store
 
     rank, local_rank = beat.get("rank"), beat.get("local_rank")
     if announce:
@@ -296,8 +296,12 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
     # and torch's key prefixes change between versions; the worker's own account of it does neither.
     address, key = beat.get("store"), beat.get("key")
     if not address or key is None:
-        return None  # not a TCP store (a file, a hash map): nothing this process can reach
-    host, port = address
+        return None  # not a TCP or etcd store (a file, a hash map): nothing this process can reach
+    if isinstance(address, dict):  # the job's store on etcd
+        named = address["etcd"].removeprefix("etcd://")
+    else:
+        host, port = address
+        named = f"{host}:{port}"
     failure = failfast.failure_record(
         rank,
         f"{reason} (published by its node's trainaccel run)",
@@ -309,10 +313,15 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
     try:
         timeout = timedelta(seconds=STORE_CONNECT_S)
         # Bounded twice: a store cut off without a reset never answers, and TCPStore retries refused connections.
-        store = failfast.bounded(
-            lambda: TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False),
-            STORE_CONNECT_S + 1,
-        )
+        if isinstance(address, dict):
+            store = job_store.open_store(
+                address["etcd"], address["job"], timeout=timeout, unavailable_s=STORE_CONNECT_S
+            )
+        else:
+            store = failfast.bounded(
+                lambda: TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False),
+                STORE_CONNECT_S + 1,
+            )
         if not failfast.publish_record(store, failure, key):
             return None
     except Exception as e:
@@ -320,8 +329,7 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
         # A StoreTimeout's text names the store from this process's environment, not the worker's: said here.
         why = f"in {e.timeout_s:g} s" if isinstance(e, failfast.StoreTimeout) else f"({type(e).__name__}: {first})"
         print(
-            f"trainaccel run: rank {rank}'s failure is not published: the job's store ({host}:{port}) did not "
-            f"answer {why}",
+            f"trainaccel run: rank {rank}'s failure is not published: the job's store ({named}) did not answer {why}",
             file=sys.stderr,
             flush=True,
         )

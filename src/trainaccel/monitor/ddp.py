@@ -10,10 +10,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from trainaccel.config import Config
-from trainaccel.context import info_once
+from trainaccel.context import info_once, speaks_for_job
 from trainaccel.monitor import timeline
 from trainaccel.monitor.metrics import StepMeter
 from trainaccel.monitor.straggler import StragglerDetector
@@ -40,16 +39,13 @@ def attach_meter(observer: StepObserver, config: Config) -> StepMeter:
     device = next((p.device for p in model.parameters()), None)
     logs_here = None
     if config.on_lost_replica == "continue":
-        from trainaccel.resilience.membership import live_ranks
-
         # Pooling over DDP's group would wait for a lost rank forever: each worker's own figures, logged by the lowest
         # rank still a member.
         info_once(
             "metrics_every under on_lost_replica=continue: each line holds the figures of the worker that logs it "
             "(the lowest live rank), not every worker's pooled, so that no line waits for a lost one"
         )
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        logs_here = lambda: rank == min(live_ranks() or [0])  # noqa: E731
+        logs_here = speaks_for_job
     meter = StepMeter(config.metrics_every, device=device, process_group=model.process_group, logs_here=logs_here)
     pending: dict[str, Any] = {"batch": None, "stepped_at": None}
 

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-SCHEME = "etcd://"
+from trainaccel.config import parse_endpoints
+
 # How long a request may find no member that answers before the store is declared lost: a leader election takes
 # about a second (etcd's default election timeout), a member's restart a few; three heartbeats of the job's hang
 # judge is the most a worker waits for its store anyway.
@@ -43,23 +44,6 @@ WATCH_SLICE_S = 2.0
 TXN_OPS = 128
 # Receipts of `add` and `append` (a write's proof, read only after a reply was lost) live this long.
 RECEIPT_TTL_S = 120
-
-
-def parse_endpoints(url: str) -> list[tuple[str, int]]:
-    """`etcd://host:port,host:port,...` -> [(host, port), ...]; ValueError naming the value otherwise."""
-    accepted = "accepted: etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses, usually port 2379)"
-    if not url.startswith(SCHEME) or not url[len(SCHEME) :].strip(","):
-        raise ValueError(f"invalid store {url!r}; {accepted}")
-    endpoints = []
-    for part in url[len(SCHEME) :].split(","):
-        host, sep, port = part.strip().rpartition(":")
-        host = host.strip("[]")  # an IPv6 address in brackets
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"invalid store member {part!r} in {url!r}; {accepted}")
-        endpoints.append((host, int(port)))
-    if len(set(endpoints)) != len(endpoints):
-        raise ValueError(f"invalid store {url!r}: a member is named twice; {accepted}")
-    return endpoints
 
 
 def _bytes(value: Any) -> bytes:

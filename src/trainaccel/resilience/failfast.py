@@ -32,6 +32,7 @@ from trainaccel.config import Config, env_setting
 from trainaccel.devices import backend_of
 from trainaccel.environment import worker_place
 from trainaccel.observer import process_forwards, process_step
+from trainaccel.resilience import job_store
 
 log = logging.getLogger("trainaccel")
 
@@ -197,7 +198,7 @@ class Heartbeat:
         self._local_file = _local_heartbeat_file()
         self._local = {"rank": self.rank, "world": self.size, **self._place, "key": self._key}
         self._local["incarnation"] = _incarnation
-        self._local.update(store=store_address(self._store), nccl=_reduces_cuda_with_nccl())
+        self._local.update(store=job_store.address(self._store), nccl=_reduces_cuda_with_nccl())
         self._beat()
         self._write_local()
         self._thread = threading.Thread(target=self._run, name="trainaccel-heartbeat", daemon=True)
@@ -247,9 +248,9 @@ class Heartbeat:
             # goes on, so that the launcher's watchdog still sees this worker alive.
             if not self._leaving_seen and silent >= STORE_LOST_S:
                 end_process(
-                    f"ending rank {self.rank}: the job's store ({_store_address()}) has not answered for "
-                    f"{silent:.0f} s ({self._error or 'no reply'}): the job ended on another node, or the store's "
-                    f"node ({_store_host()}) is gone or cut off"
+                    f"ending rank {self.rank}: the job's store ({job_store.describe()}) has not answered for "
+                    f"{silent:.0f} s ({self._error or 'no reply'}): the job ended on another node, or "
+                    f"{job_store.where()} is gone or cut off"
                 )
             self._write_local()
 
@@ -509,12 +510,6 @@ def root_store(store: Any) -> Any:
     return store
 
 
-def store_address(store: Any) -> tuple[str, int] | None:
-    """(host, port) of a TCPStore under `store`; None for other stores (a file, a hash map)."""
-    store = root_store(store)
-    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
-
-
 def describe_failure(failure: dict) -> str:
     if failure.get("host") is None:
         return f"the job failed: {failure['reason']}"
@@ -693,17 +688,10 @@ def _local_heartbeat_file() -> str | None:
     return os.path.join(folder, f"{os.environ.get('LOCAL_RANK', '0')}.json") if folder else None
 
 
-def _store_address() -> str:
-    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-
-
-def _store_host() -> str:
-    return os.environ.get("MASTER_ADDR", "?")
-
-
 def _hosts_store(rank: int) -> bool:
-    # Under torchrun the agent hosts the store; otherwise (its restarts' fresh stores, mpirun) rank 0 does.
-    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    # Under torchrun the agent hosts the store; otherwise (its restarts' fresh stores, mpirun) rank 0 does; on etcd
+    # no process of the job.
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not job_store.on_etcd()
 
 
 def looks_like_collective_failure(error: BaseException) -> bool:
@@ -729,8 +717,8 @@ def explain(error: BaseException) -> str | None:
         after = bounded(read, 2 * _heartbeat._interval)
     except Exception as e:  # the store is gone too: the job's first host is down
         return (
-            f"a collective failed on rank {me}; the job's store ({_store_address()}) cannot be reached either: "
-            f"its node ({_store_host()}) is gone or cut off ({e})"
+            f"a collective failed on rank {me}; the job's store ({job_store.describe()}) cannot be reached either: "
+            f"{job_store.where(its=True)} is gone or cut off ({e})"
         )
     missing = []
     for rank in range(world):
@@ -768,7 +756,7 @@ class StoreTimeout(TimeoutError):
     """A `bounded` call to the job's store did not return within `timeout_s` seconds."""
 
     def __init__(self, timeout_s: float):
-        super().__init__(f"the job's store ({_store_address()}) did not answer in {timeout_s:g} s")
+        super().__init__(f"the job's store ({job_store.describe()}) did not answer in {timeout_s:g} s")
         self.timeout_s = timeout_s
 
 

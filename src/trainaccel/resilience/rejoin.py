@@ -31,7 +31,7 @@ from torch.distributed import distributed_c10d
 
 from trainaccel import context
 from trainaccel.observer import process_step
-from trainaccel.resilience import failfast
+from trainaccel.resilience import failfast, job_store
 
 log = logging.getLogger("trainaccel")
 
@@ -71,13 +71,16 @@ def prepare_rejoin() -> int:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "RANK" not in os.environ:
         return 0  # not torchrun's worker: nothing names the job's store before the group starts
     rank, world, own = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), failfast.own_attempt()
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=STORE_CONNECT_S),
-        wait_for_workers=False,
-    )
+    if job_store.on_etcd():
+        store = job_store.shared()
+    else:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=STORE_CONNECT_S),
+            wait_for_workers=False,
+        )
     attempt = _running_attempt(store, rank, world, own)
     if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt), attempt == own):
         return 0

@@ -1,0 +1,102 @@
+"""The first node lost whole, on 3 nodes x 1 worker (`trainaccel run` per node, on loopback) under
+on_lost_replica=continue: with the job's store on a 3-member etcd cluster (`--store etcd://...`), its member on the
+lost node killed too, the other two nodes train on and end equal; with torchrun's store in the first node's agent
+(the default) they end, naming the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from conftest import SCRIPTS, free_port, trainaccel_cmd
+from trainaccel.bench.faults import ProcessTree
+from trainaccel.bench.stores import EtcdCluster
+
+pytestmark = pytest.mark.multiprocess
+
+NODES = 3
+DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
+
+
+def lose_the_first_node(tmp_path, store: EtcdCluster | None) -> tuple[list[int | None], list[str]]:
+    """Every node's exit code and output; node 0's worker kills itself at step 9, then every other process of its
+    node (its `trainaccel run`, and its store member) is killed."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
+    on_etcd = ["--store", store.url, "--rdzv-id", "first-node-lost"] if store is not None else []
+    logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
+    procs = []
+    for node, log in enumerate(logs):
+        with open(log, "w") as out:
+            command = [
+                *trainaccel_cmd(),
+                *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
+                *["--master-addr", "127.0.0.1", "--master-port", str(port), *on_etcd],
+                *["--sync-every", "4", "--on-lost-replica", "continue"],
+                *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), "first"],
+            ]
+            procs.append(
+                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
+            )
+    tree = ProcessTree([proc.pid for proc in procs])
+    began, node_lost = time.monotonic(), False
+    try:
+        while any(proc.poll() is None for proc in procs[1:]) and time.monotonic() - began < DEADLINE_S:
+            tree.scan()
+            if not node_lost and (tmp_path / "lost").exists():
+                node_lost = True
+                for pid, node in tree.alive():
+                    if node == 0:
+                        os.kill(pid, 9)
+                if store is not None:
+                    store.kill(0)
+            time.sleep(0.2)
+        codes = [proc.poll() for proc in procs]
+    finally:
+        tree.scan()
+        tree.kill()
+        for proc in procs:
+            proc.wait(timeout=30)
+    assert node_lost, logs[0].read_text()[-3000:]
+    return codes, [log.read_text() for log in logs]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (sh tools/install-test-servers installs Debian's etcd-server)")
+    pytest.importorskip("etcd3gw", reason="the replicated store needs etcd3gw: pip install 'trainaccel[etcd]'")
+    cluster = EtcdCluster(tmp_path / "etcd")
+    yield cluster
+    cluster.close()
+
+
+def test_with_the_store_on_etcd_the_others_outlive_the_first_node_and_end_equal(tmp_path, etcd):
+    codes, outputs = lose_the_first_node(tmp_path, etcd)
+    said = outputs[1] + outputs[2]
+    assert codes[1:] == [0, 0], (codes, said[-3000:])
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 2)]
+    assert not (tmp_path / "rank0.json").exists()
+    assert [r["members"] for r in results] == [[1, 2], [1, 2]]
+    assert [r["syncs"] for r in results] == [6, 6]  # every sync of the 24 steps, none skipped
+    assert results[0]["params"] == results[1]["params"]  # the last sync's mean, the same bits on both
+    assert "goes on with 2 of 3 replicas, without rank 0" in said, said[-3000:]
+    # What rank 0 said of the whole job, the lowest live rank says once rank 0 is lost.
+    assert "[trainaccel rank 1] INFO on_lost_replica=continue: DistributedSampler splits the data over the 2" in said
+    assert "DistributedSampler splits" not in outputs[2]
+    assert "has not answered" not in said
+
+
+@pytest.mark.resilience_full
+def test_with_the_store_in_the_first_nodes_agent_the_others_end_naming_it(tmp_path):
+    """What the etcd store is for: by default the store goes with the first node, and the job with it."""
+    codes, outputs = lose_the_first_node(tmp_path, None)
+    assert 0 not in codes[1:], codes
+    for output in outputs[1:]:  # the store's connection closed under a sync's request, or silent for 15 s
+        named = "the job's store (127.0.0.1:" in output and "has not answered for" in output
+        assert named or "Did the remote server shutdown or crash?" in output, output[-3000:]
