@@ -23,9 +23,12 @@ NODES = 3
 DEADLINE_S = 150  # far under the 600 s collective timeout: only the membership can have let them go on
 
 
-def lose_the_first_node(tmp_path, store: EtcdCluster | None) -> tuple[list[int | None], list[str]]:
-    """Every node's exit code and output; node 0's worker kills itself at step 9, then every other process of its
-    node (its `trainaccel run`, and its store member) is killed."""
+def lose_the_first_node(
+    tmp_path, store: EtcdCluster | None, how: str = "first"
+) -> tuple[list[int | None], list[str], float]:
+    """Every node's exit code and output, and the seconds from the loss to the last launcher's end. `first`: node 0's
+    worker kills itself at step 9, then every other process of its node (its `trainaccel run`, and its store member)
+    is killed; `store_lost`: at step 5 two of the store's three members are killed, and nobody else."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     on_etcd = ["--store", store.url, "--rdzv-id", "first-node-lost"] if store is not None else []
@@ -38,32 +41,38 @@ def lose_the_first_node(tmp_path, store: EtcdCluster | None) -> tuple[list[int |
                 *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
                 *["--master-addr", "127.0.0.1", "--master-port", str(port), *on_etcd],
                 *["--sync-every", "4", "--on-lost-replica", "continue"],
-                *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), "first"],
+                *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
             procs.append(
                 subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
             )
     tree = ProcessTree([proc.pid for proc in procs])
-    began, node_lost = time.monotonic(), False
+    began, lost_at = time.monotonic(), None
+    waited = procs if how == "store_lost" else procs[1:]
     try:
-        while any(proc.poll() is None for proc in procs[1:]) and time.monotonic() - began < DEADLINE_S:
+        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
-            if not node_lost and (tmp_path / "lost").exists():
-                node_lost = True
-                for pid, node in tree.alive():
-                    if node == 0:
-                        os.kill(pid, 9)
-                if store is not None:
-                    store.kill(0)
+            if lost_at is None and (tmp_path / "lost").exists():
+                lost_at = time.monotonic()
+                if how == "first":
+                    for pid, node in tree.alive():
+                        if node == 0:
+                            os.kill(pid, 9)
+                    if store is not None:
+                        store.kill(0)
+                else:
+                    store.kill(1)
+                    store.kill(2)
             time.sleep(0.2)
         codes = [proc.poll() for proc in procs]
+        ended = time.monotonic() - (lost_at or began)
     finally:
         tree.scan()
         tree.kill()
         for proc in procs:
             proc.wait(timeout=30)
-    assert node_lost, logs[0].read_text()[-3000:]
-    return codes, [log.read_text() for log in logs]
+    assert lost_at is not None, logs[0].read_text()[-3000:]
+    return codes, [log.read_text() for log in logs], ended
 
 
 @pytest.fixture
@@ -77,7 +86,7 @@ def etcd(tmp_path):
 
 
 def test_with_the_store_on_etcd_the_others_outlive_the_first_node_and_end_equal(tmp_path, etcd):
-    codes, outputs = lose_the_first_node(tmp_path, etcd)
+    codes, outputs, _ = lose_the_first_node(tmp_path, etcd)
     said = outputs[1] + outputs[2]
     assert codes[1:] == [0, 0], (codes, said[-3000:])
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 2)]
@@ -95,8 +104,20 @@ def test_with_the_store_on_etcd_the_others_outlive_the_first_node_and_end_equal(
 @pytest.mark.resilience_full
 def test_with_the_store_in_the_first_nodes_agent_the_others_end_naming_it(tmp_path):
     """What the etcd store is for: by default the store goes with the first node, and the job with it."""
-    codes, outputs = lose_the_first_node(tmp_path, None)
+    codes, outputs, _ = lose_the_first_node(tmp_path, None)
     assert 0 not in codes[1:], codes
     for output in outputs[1:]:  # the store's connection closed under a sync's request, or silent for 15 s
         named = "the job's store (127.0.0.1:" in output and "has not answered for" in output
         assert named or "Did the remote server shutdown or crash?" in output, output[-3000:]
+
+
+@pytest.mark.resilience_full  # CI: the store's own test of a majority lost (test_etcd_store.py)
+def test_a_majority_of_the_stores_members_lost_ends_every_worker_naming_the_store(tmp_path, etcd):
+    """Two of the three members killed while every node trains: each worker ends within hang_timeout's least (60 s),
+    its last word naming the store, and every launcher exits."""
+    codes, outputs, ended = lose_the_first_node(tmp_path, etcd, "store_lost")
+    assert None not in codes and 0 not in codes, codes
+    assert ended < 60, ended
+    for output in outputs:
+        assert f"the job's store (etcd at {etcd.url.removeprefix('etcd://')})" in output, output[-3000:]
+        assert "a majority of" in output, output[-3000:]

@@ -5,7 +5,9 @@ How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an except
 `freeze` (SIGSTOP: alive but frozen, its heartbeat stopped too), `mid_sync` (SIGKILL after the third sync's exchange,
 before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
 (SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `first` (as
-`zero_code`, rank 0 killed: it writes OUT_DIR/lost first, and the test ends the rest of its node), `node` (as
+`zero_code`, rank 0 killed: it writes OUT_DIR/lost first, and the test ends the rest of its node), `store_lost`
+(as `zero_code`, nobody lost: a step takes 0.3 s, and at step 5 rank 0 writes OUT_DIR/lost for the test to kill a
+majority of the store's members), `node` (as
 `zero_code` on 3 nodes x 2 workers, sync_scope=node: rank 4 is killed, and node 2's other worker, rank 5, is lost
 with it: their node is one replica), `node_freeze` (as `node`, rank 4 frozen by SIGSTOP), `rejoin` (SIGKILL, then the
 test starts node 2 again: that start rejoins, takes the model at the next sync and trains to the end; the others wait
@@ -42,7 +44,7 @@ from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
 REJOINS = how in ("rejoin", "agent", "node_rejoin", "node_agent")
-STEPS, EVERY, LOSE_AT = (48 if REJOINS else 24), 4, 9
+STEPS, EVERY, LOSE_AT = (48 if REJOINS or how == "store_lost" else 24), 4, 9
 NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
 LOST = 4 if NODE_SCOPE else 0 if how == "first" else 2
 STARTED_AGAIN = (4, 5) if NODE_SCOPE else (2,)  # the ranks of node 2
@@ -72,7 +74,9 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(DEVICE)
 MOMENTUM = 0.9 if REJOINS else 0.0
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
-if how in ("zero_code", "first") or NODE_SCOPE:  # DDP as the script has it; trainaccel's options make it DiLoCo
+if (
+    how in ("zero_code", "first", "store_lost") or NODE_SCOPE
+):  # DDP as the script has it; trainaccel's options make it DiLoCo
     model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 elif how == "horovod":  # the launch's sync_every and on_lost_replica, taken by hvd.DistributedOptimizer
@@ -116,6 +120,10 @@ for step in range(start + 1, STEPS + 1):
         if how == "first":  # the test then ends the rest of its node: its launcher and its store member
             open(os.path.join(out_dir, "lost"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "store_lost":
+        time.sleep(0.3)
+        if rank == 0 and step == 5:
+            open(os.path.join(out_dir, "lost"), "w").close()
     if rank == LOST and step == LOSE_AT and how in ("freeze", "node_freeze"):
         os.kill(os.getpid(), signal.SIGSTOP)
     if rank == 2 and step == LOSE_AT and how == "error":
@@ -146,7 +154,7 @@ if how == "kill" or REJOINS:  # the script's own collective on the default group
         refused = str(e)
 split["after"] = list(sampler)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
-if how in ("zero_code", "first") or NODE_SCOPE:
+if how in ("zero_code", "first", "store_lost") or NODE_SCOPE:
     diloco = observer_of(model).diloco
 present = diloco.members if how == "horovod" else members(model)  # (the public form, for a script's own use)
 if how != "horovod":  # (hvd.shutdown() destroys it at exit)
