@@ -50,6 +50,43 @@ def test_parse_emulate():
             parse_emulate(bad)
 
 
+def test_parse_store():
+    assert parse_emulate("nodes=3,procs-per-node=1,link=1gbit,store=etcd").store == "etcd"
+    assert parse_emulate("nodes=2,procs-per-node=1,link=1gbit").store == "agent"
+    for bad in ("nodes=2,procs-per-node=1,link=1gbit,store=etcd", "nodes=3,procs-per-node=1,link=1gbit,store=zk"):
+        with pytest.raises(ValueError, match=r"store=\w+; accepted: .*STORE the trainaccel arms' store"):
+            parse_emulate(bad)
+
+
+@pytest.mark.multiprocess  # ip netns, an etcd member per node
+@needs_netns
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (tools/install-test-servers)")
+def test_store_etcd_runs_a_member_in_each_of_the_first_three_nodes_and_a_lost_node_takes_its_member():
+    pytest.importorskip("etcd3gw")
+    from trainaccel.resilience.etcd_store import EtcdStore
+
+    with EmulatedCluster(parse_emulate("nodes=3,procs-per-node=1,link=1gbit,store=etcd"), "tatest-etcd-") as cluster:
+        assert cluster.store == "etcd://10.213.0.1:2379,10.213.0.2:2379,10.213.0.3:2379"
+        for node in range(3):  # each member listens inside its node: reached from the node next to it
+            probe = f"import urllib.request; print(urllib.request.urlopen('http://{cluster.address(node)}:2379/health').read().decode())"
+            out = subprocess.run(
+                [*cluster.exec_prefix((node + 1) % 3), sys.executable, "-c", probe], capture_output=True, text=True
+            )
+            assert '"health":"true"' in out.stdout, out.stderr
+        members = cluster.etcd.procs
+        cluster.kill_node(0)
+        members[0].wait(timeout=10)
+        assert [m.poll() is None for m in members] == [False, True, True]
+        check = (
+            "from trainaccel.resilience.etcd_store import EtcdStore; "
+            f"s = EtcdStore({cluster.store!r}, 'job'); s.set('k', 'v'); print(s.get('k').decode())"
+        )
+        out = subprocess.run([*cluster.exec_prefix(1), sys.executable, "-c", check], capture_output=True, text=True)
+        assert out.stdout.strip() == "v", out.stderr  # two members of three: the store goes on
+        assert EtcdStore  # (imported here: the test needs the etcd extra)
+    assert namespaces("tatest-etcd-") == []
+
+
 @pytest.mark.parametrize("node_cpus", ["0.67", "2", "1.5"])
 def test_parse_node_cpus(monkeypatch, node_cpus):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)

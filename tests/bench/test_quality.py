@@ -165,7 +165,7 @@ def test_bad_flags_stop_before_any_worker_starts(cli, monkeypatch, flags, messag
     "lose, message",
     [
         ("lost:2@100", None),
-        ("lost:0@100", "NODE in 1..2 (node 0 holds the store and reports)"),
+        ("lost:0@100", "NODE in 1..2 (node 0 holds the store: lose it under --emulate ...,store=etcd)"),
         ("lost:3@100", "NODE in 1..2"),
         ("lost:2@301", "STEP in 1..300"),
         ("other:2@100", "ARM one of lost, same"),
@@ -187,6 +187,18 @@ def test_lose_names_an_arm_that_goes_on_a_node_other_than_the_first_and_a_step(l
         return
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_losses(args, arms, nodes=3)
+
+
+def test_node_0_may_be_lost_with_the_store_on_etcd():
+    from argparse import Namespace
+
+    from trainaccel.bench.quality import parse_losses
+
+    arms = {"lost": {"sync_every": "4", "on_lost_replica": "continue"}}
+    args = Namespace(lose=["lost:0@100"], steps=300, rejoin=[], restart=[], keep_global_batch=[])
+    assert parse_losses(args, arms, nodes=3, store="etcd") == {"lost": (0, 100)}
+    with pytest.raises(ValueError, match=re.escape("NODE in 0..2 and STEP")):
+        parse_losses(Namespace(**{**vars(args), "lose": ["lost:3@100"]}), arms, nodes=3, store="etcd")
 
 
 def test_rejoin_names_an_arm_that_loses_a_node():

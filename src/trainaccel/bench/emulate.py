@@ -15,8 +15,12 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 SUBNET = "10.213.0"  # lives only inside the namespaces made here
 IFACE = "eth0"
@@ -25,7 +29,8 @@ _SCALE = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 HELP = (
     "emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root); each worker gets "
     "OMP_NUM_THREADS = cores / all workers unless it is set; node-cpus=C caps each node at C cores (a cgroup each), "
-    "so that a lost node's cores do not pass to the others"
+    "so that a lost node's cores do not pass to the others; store=etcd puts the trainaccel arms' store on an etcd "
+    "member in each of nodes 0-2 (then --lose may take node 0, every process in its namespace with it)"
 )
 CPU_CGROUPS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup")  # cgroup v1's cpu controller, or v2's unified tree
 CPU_PERIOD_US = 10_000  # a short period: a node out of quota waits at most this long, not the default 100 ms
@@ -41,6 +46,7 @@ class Emulation:
     procs_per_node: int
     link: str  # tc rate, e.g. 500mbit
     node_cpus: float | None = None  # cores each node may use (a cgroup's CPU quota); None: all nodes share them all
+    store: str = "agent"  # the trainaccel arms' store: agent (torchrun's, on node 0) or etcd (a member on nodes 0-2)
 
     @property
     def link_bits_per_s(self) -> float:
@@ -70,25 +76,31 @@ class Emulation:
 
 
 def parse_emulate(spec: str) -> Emulation:
-    """`nodes=2,procs-per-node=2,link=500mbit[,node-cpus=0.5]` -> Emulation."""
+    """`nodes=2,procs-per-node=2,link=500mbit[,node-cpus=0.5][,store=etcd]` -> Emulation."""
     cores = os.cpu_count() or 1
     accepted = (
-        "nodes=N,procs-per-node=P,link=RATE[,node-cpus=C] with N >= 2, P >= 1, RATE like 500mbit or 2gbit, C the "
-        f"cores each node may use (> 0, at most {cores}; e.g. {cores / 3:.2f} for 3 nodes sharing this machine)"
+        "nodes=N,procs-per-node=P,link=RATE[,node-cpus=C][,store=STORE] with N >= 2, P >= 1, RATE like 500mbit or "
+        f"2gbit, C the cores each node may use (> 0, at most {cores}; e.g. {cores / 3:.2f} for 3 nodes sharing this "
+        "machine), STORE the trainaccel arms' store: agent (torchrun's, on node 0; the default) or etcd (a 3-member "
+        "cluster, a member on each of nodes 0-2: N >= 3)"
     )
     fields = {}
     for item in spec.split(","):
         key, sep, value = item.strip().partition("=")
-        if not sep or key not in ("nodes", "procs-per-node", "link", "node-cpus") or key in fields:
+        if not sep or key not in ("nodes", "procs-per-node", "link", "node-cpus", "store") or key in fields:
             raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}")
         fields[key] = value.strip().lower()
     try:
         node_cpus = float(fields["node-cpus"]) if "node-cpus" in fields else None
-        emulation = Emulation(int(fields["nodes"]), int(fields["procs-per-node"]), fields["link"], node_cpus)
+        emulation = Emulation(
+            int(fields["nodes"]), int(fields["procs-per-node"]), fields["link"], node_cpus, fields.get("store", "agent")
+        )
     except (KeyError, ValueError):
         raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}") from None
     if emulation.nodes < 2 or emulation.procs_per_node < 1 or not _LINK.match(emulation.link):
         raise ValueError(f"invalid --emulate {spec!r}; accepted: {accepted}")
+    if emulation.store not in ("agent", "etcd") or (emulation.store == "etcd" and emulation.nodes < 3):
+        raise ValueError(f"invalid --emulate {spec!r}: store={emulation.store}; accepted: {accepted}")
     if node_cpus is not None and not (0 < node_cpus <= cores and round(node_cpus * CPU_PERIOD_US) >= 1000):
         raise ValueError(f"invalid --emulate {spec!r}: node-cpus={fields['node-cpus']}; accepted: {accepted}")
     return emulation
@@ -144,6 +156,9 @@ class EmulatedCluster:
         self.bridge = self.prefix + "br"
         self.nodes = [f"{self.prefix}n{k}" for k in range(emulation.nodes)]
         self.cgroups: list[str] = []  # each node's CPU cgroup (node-cpus), made in _build
+        self.etcd: Any = None  # under store=etcd: the job's store, a member in each of nodes 0-2 (bench.stores)
+        self.store: str | None = None  # its address for `trainaccel run --store`
+        self._etcd_data: Path | None = None  # its members' data, removed with it
 
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
@@ -177,6 +192,28 @@ class EmulatedCluster:
     def __exit__(self, *exc: object) -> None:
         self.teardown()
 
+    def kill_node(self, node: int) -> None:
+        """SIGKILL every process left in node `node`'s namespace (its store member too): the node lost whole."""
+        found = subprocess.run(["ip", "netns", "pids", self.nodes[node]], capture_output=True, text=True)
+        for pid in found.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _start_store(self) -> None:
+        from trainaccel.bench.stores import EtcdCluster
+
+        scratch = Path(tempfile.mkdtemp(prefix=self.prefix + "etcd-"))
+        try:
+            self.etcd = EtcdCluster(
+                scratch, hosts=[self.address(k) for k in range(3)], prefixes=[self.exec_prefix(k) for k in range(3)]
+            )
+        except RuntimeError as e:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise EmulationError(f"--emulate store=etcd: {e}") from None
+        self.store, self._etcd_data = self.etcd.url, scratch
+
     def _build(self) -> None:
         rate = self.emulation.link
         _ip("netns", "add", self.bridge)
@@ -198,6 +235,8 @@ class EmulatedCluster:
                 )
         if self.emulation.node_cpus is not None:
             self._cap_cpus(self.emulation.node_cpus)
+        if self.emulation.store == "etcd":
+            self._start_store()
 
     def _cap_cpus(self, cores: float) -> None:
         root, version = cpu_cgroup_root()  # type: ignore[misc]
@@ -214,6 +253,10 @@ class EmulatedCluster:
 
     def teardown(self) -> None:
         """Delete every namespace of this cluster (their veths go with them) and its cgroups; safe to repeat."""
+        if self.etcd is not None:
+            self.etcd.close()
+            shutil.rmtree(self._etcd_data, ignore_errors=True)
+            self.etcd, self.store = None, None
         for ns in namespaces(self.prefix):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         found = cpu_cgroup_root()

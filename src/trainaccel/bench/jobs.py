@@ -12,12 +12,13 @@ import signal
 import socket
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation, EmulationError
 from trainaccel.bench.progress import progress
-from trainaccel.launch.local import run_job, run_together
+from trainaccel.launch.local import TRAINACCEL_RUN, run_job, run_together
 
 
 def run_workers(
@@ -43,6 +44,10 @@ def run_workers(
     if cluster is None:
         return run_job(name, [*launcher, "--standalone", f"--nproc-per-node={nproc_per_node}", *worker], out, env)
     emulation = cluster.emulation
+    # Under store=etcd, trainaccel's launcher rendezvouses on the cluster's etcd store (a name of its own per run);
+    # a plain torchrun baseline keeps torchrun's store on node 0.
+    on_etcd = cluster.store is not None and launcher == TRAINACCEL_RUN
+    store = ["--store", cluster.store, f"--rdzv-id=bench-{uuid.uuid4().hex[:12]}"] if on_etcd else []
     commands = [
         [
             *cluster.exec_prefix(node),
@@ -52,6 +57,7 @@ def run_workers(
             f"--nproc-per-node={emulation.procs_per_node}",
             f"--master-addr={cluster.address(0)}",
             f"--master-port={port}",
+            *store,
             *worker,
         ]
         for node in range(emulation.nodes)
@@ -60,7 +66,22 @@ def run_workers(
     logs = [out.with_suffix(f".node{node}.log") for node in range(emulation.nodes)]
     lost = () if lost_node is None else (lost_node,)
     restart = lost if rejoin else ()
-    code, failed = run_together(commands, [node_env] * len(commands), logs, may_fail=lost, restart=restart)
+
+    def node_lost(node: int) -> None:
+        """Its launcher ended after its workers: the rest of the node goes too (its store member), then comes back
+        with it when it is started again."""
+        cluster.kill_node(node)
+        if rejoin and cluster.etcd is not None and node < len(cluster.etcd.hosts):
+            cluster.etcd.start(node)
+
+    code, failed = run_together(
+        commands,
+        [node_env] * len(commands),
+        logs,
+        may_fail=lost,
+        restart=restart,
+        on_end=node_lost if on_etcd else None,
+    )
     if failed is not None or not out.exists():
         tail = "\n".join(logs[failed or 0].read_text().splitlines()[-30:])
         raise RuntimeError(f"{name} failed on node {failed} (exit {code}):\n{tail}")

@@ -122,19 +122,24 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"invalid --{flag.replace('_', '-')} {getattr(args, flag)}; accepted: an integer >= 1")
 
 
-def parse_losses(args: argparse.Namespace, arm_options: dict[str, dict[str, str]], nodes: int) -> dict:
-    """--lose ARM:NODE@STEP flags as {arm: (node, step)}, each checked against the arms and the run."""
+def parse_losses(
+    args: argparse.Namespace, arm_options: dict[str, dict[str, str]], nodes: int, store: str = "agent"
+) -> dict:
+    """--lose ARM:NODE@STEP flags as {arm: (node, step)}, each checked against the arms and the run (node 0 only
+    with the store on etcd: by default the store lives there)."""
     losses = {}
+    first = 0 if store == "etcd" else 1
     for text in args.lose:
         arm, _, where = text.rpartition(":")
         node, _, step = where.partition("@")
+        held = "" if first == 0 else " (node 0 holds the store: lose it under --emulate ...,store=etcd)"
         accepted = (
-            f"ARM:NODE@STEP with ARM one of {', '.join(arm_options)}, NODE in 1..{nodes - 1} (node 0 holds the "
-            f"store and reports) and STEP in 1..{args.steps}"
+            f"ARM:NODE@STEP with ARM one of {', '.join(arm_options)}, NODE in {first}..{nodes - 1}{held} and STEP in "
+            f"1..{args.steps}"
         )
         if arm not in arm_options or not node.isdigit() or not step.isdigit():
             raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
-        if not 1 <= int(node) < nodes or not 1 <= int(step) <= args.steps:
+        if not first <= int(node) < nodes or not 1 <= int(step) <= args.steps:
             raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
         if arm_options[arm].get("on_lost_replica") != "continue" and arm not in args.restart:
             raise ValueError(
@@ -328,7 +333,12 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
                 arm_options[arm], labels[arm] = {**arm_options[arm], **own}, LABELS[arm]
         if args.lose and emulation is None:
             raise ValueError("--lose needs --emulate: a node to lose")
-        losses = parse_losses(args, arm_options, emulation.nodes if emulation is not None else 0)
+        losses = parse_losses(
+            args,
+            arm_options,
+            emulation.nodes if emulation is not None else 0,
+            emulation.store if emulation else "agent",
+        )
         task = TASKS[args.task]
         task.load()  # its data is there (or the error says what to install) before any worker starts
     except (ValueError, ConfigError, RuntimeError) as e:

@@ -155,7 +155,7 @@ def main() -> None:
         with open(f"{args.out}.rank{rank}", "w") as f:
             end = {"rank": rank, "rejoined_at": rejoined, "from_step": first, "parameters_sha256": digest}
             json.dump({**end, "batch_sizes": sizes}, f)
-    if rank == 0:
+    if rank == min(members(model)):  # rank 0, or the lowest present once it was lost (store=etcd)
         result = {
             "arm": args.arm,
             "task": args.task,

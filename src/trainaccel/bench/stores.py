@@ -203,14 +203,33 @@ class EtcdCluster:
         )
         log.close()
 
+    def _request(self, k: int, path: str, data: bytes | None = None) -> bytes | None:
+        """Member `k`'s answer to `path` (a POST of `data`, if any), asked from where it listens (its node's
+        namespace under an emulation); None if it does not answer."""
+        host, (client, _) = self.hosts[k], self.ports[k]
+        url = f"http://{host}:{client}{path}"
+        if not self.prefixes[k]:
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=2) as reply:
+                    return reply.read()
+            except OSError:
+                return None
+        ask = (
+            "import sys, urllib.request\n"
+            "data = sys.argv[2].encode() if len(sys.argv) > 2 else None\n"
+            "sys.stdout.buffer.write(urllib.request.urlopen(urllib.request.Request(sys.argv[1], data=data), "
+            "timeout=2).read())\n"
+        )
+        command = [*self.prefixes[k], sys.executable, "-c", ask, url, *([data.decode()] if data is not None else [])]
+        try:
+            done = subprocess.run(command, capture_output=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        return done.stdout if done.returncode == 0 else None
+
     def health(self, k: int) -> bool:
         """Whether member `k` answers and sees a leader."""
-        host, (client, _) = self.hosts[k], self.ports[k]
-        try:
-            with urllib.request.urlopen(f"http://{host}:{client}/health", timeout=2) as reply:
-                return b'"health":"true"' in reply.read()
-        except OSError:
-            return False
+        return b'"health":"true"' in (self._request(k, "/health") or b"")
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -225,15 +244,11 @@ class EtcdCluster:
         """The index of the member that leads now."""
         import json
 
-        for k, (host, (client, _)) in enumerate(zip(self.hosts, self.ports)):
-            if self.procs[k] is None or self.procs[k].poll() is not None:
+        for k, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
                 continue
-            request = urllib.request.Request(f"http://{host}:{client}/v3/maintenance/status", data=b"{}")
-            try:
-                with urllib.request.urlopen(request, timeout=2) as reply:
-                    status = json.loads(reply.read())
-            except OSError:
-                continue
+            reply = self._request(k, "/v3/maintenance/status", b"{}")
+            status = json.loads(reply) if reply else {}
             if status.get("leader") and status["leader"] == status["header"]["member_id"]:
                 return k
         raise RuntimeError("no etcd member leads")

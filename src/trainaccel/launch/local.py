@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ def run_together(
     logs: list[Path] | None = None,
     may_fail: tuple[int, ...] = (),
     restart: tuple[int, ...] = (),
+    on_end: Callable[[int], None] | None = None,
 ) -> tuple[int, int | None]:
     """Run commands side by side; the first failure stops the rest (as does Ctrl-C, re-raised).
 
@@ -45,11 +47,12 @@ def run_together(
     process group, so stopping it stops everything it started. The commands at `may_fail` may end in failure
     (a node lost on purpose): the others run on, and the result is theirs. Those also at `restart` are started
     again once, as soon as they ended (a lost node started anew: its log goes on), and must then succeed.
+    `on_end(i)` is called once as each command at `may_fail` first ends (before any start again).
     """
     envs = envs or [None] * len(commands)
     files = [open(path, "w") for path in logs] if logs else [None] * len(commands)
     procs: list[subprocess.Popen] = []
-    may_fail, again = set(may_fail), set(restart)
+    may_fail, again, ended = set(may_fail), set(restart), set()
 
     def start(command: list[str], env: dict[str, str] | None, out: Any) -> subprocess.Popen:
         err = subprocess.STDOUT if out else None
@@ -60,6 +63,11 @@ def run_together(
             procs.append(start(command, env, out))
         while True:
             codes = [p.poll() for p in procs]
+            for i in sorted(may_fail - ended):
+                if codes[i] is not None:
+                    ended.add(i)
+                    if on_end is not None:
+                        on_end(i)
             for i in sorted(again):
                 if codes[i] is not None:  # ended (killed on purpose): started again, this time to succeed
                     again.discard(i)
