@@ -28,14 +28,15 @@ def lose_the_first_node(
 ) -> tuple[list[int | None], list[str], float]:
     """Every node's exit code and output, and the seconds from the loss to the last launcher's end. `first`: node 0's
     worker kills itself at step 9, then every other process of its node (its `trainaccel run`, and its store member)
-    is killed; `store_lost`: at step 5 two of the store's three members are killed, and nobody else."""
+    is killed; `first_rejoin`: as `first`, then node 0 and its member are started again (its output appended);
+    `store_lost`: at step 5 two of the store's three members are killed, and nobody else."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
     on_etcd = ["--store", store.url, "--rdzv-id", "first-node-lost"] if store is not None else []
     logs = [tmp_path / f"node{node}.log" for node in range(NODES)]
-    procs = []
-    for node, log in enumerate(logs):
-        with open(log, "w") as out:
+
+    def start(node: int, mode: str = "w") -> subprocess.Popen:
+        with open(logs[node], mode) as out:
             command = [
                 *trainaccel_cmd(),
                 *["run", "--nnodes", str(NODES), "--node-rank", str(node), "--nproc-per-node", "1"],
@@ -43,18 +44,24 @@ def lose_the_first_node(
                 *["--sync-every", "4", "--on-lost-replica", "continue"],
                 *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
-            procs.append(
-                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
-            )
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
+
+    procs = [start(node) for node in range(NODES)]
     tree = ProcessTree([proc.pid for proc in procs])
-    began, lost_at = time.monotonic(), None
-    waited = procs if how == "store_lost" else procs[1:]
+    began, lost_at, again = time.monotonic(), None, how == "first_rejoin"
+    waited = procs if how in ("store_lost", "first_rejoin") else procs[1:]
     try:
         while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
+            if again and lost_at is not None and not any(node == 0 for _, node in tree.alive()):
+                again = False  # node 0 started again with the job's command, and its store member with it
+                store.start(0)
+                procs[0] = start(0, "a")
+                waited[0] = procs[0]
+                tree.roots.append(procs[0].pid)
             if lost_at is None and (tmp_path / "lost").exists():
                 lost_at = time.monotonic()
-                if how == "first":
+                if how in ("first", "first_rejoin"):
                     for pid, node in tree.alive():
                         if node == 0:
                             os.kill(pid, 9)
@@ -121,3 +128,14 @@ def test_a_majority_of_the_stores_members_lost_ends_every_worker_naming_the_stor
     for output in outputs:
         assert f"the job's store (etcd at {etcd.url.removeprefix('etcd://')})" in output, output[-3000:]
         assert "a majority of" in output, output[-3000:]
+
+
+@pytest.mark.resilience_full  # CI: the first node lost (above); its rejoin runs as any node's (test_lost_replica.py)
+def test_the_first_node_started_again_rejoins_and_every_replica_ends_equal(tmp_path, etcd):
+    codes, outputs, _ = lose_the_first_node(tmp_path, etcd, "first_rejoin")
+    assert codes == [0, 0, 0], (codes, outputs[0][-3000:])
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(NODES)]
+    assert [r["members"] for r in results] == [[0, 1, 2]] * 3
+    assert [r["rejoined_at"] for r in results] == [40, 0, 0]
+    assert all(r["params"] == results[0]["params"] for r in results)
+    assert "this process rejoins it" in outputs[0], outputs[0][-3000:]

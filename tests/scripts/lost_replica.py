@@ -5,7 +5,8 @@ How rank 2 is lost (argv[2]): `kill` (SIGKILL between syncs), `error` (an except
 `freeze` (SIGSTOP: alive but frozen, its heartbeat stopped too), `mid_sync` (SIGKILL after the third sync's exchange,
 before its vote: the others must redo that sync without it), `auto` (SIGKILL, under sync_every=auto), `zero_code`
 (SIGKILL; a plain DDP script, run with `trainaccel run --sync-every 4 --on-lost-replica continue`), `first` (as
-`zero_code`, rank 0 killed: it writes OUT_DIR/lost first, and the test ends the rest of its node), `store_lost`
+`zero_code`, rank 0 killed: it writes OUT_DIR/lost first, and the test ends the rest of its node), `first_rejoin`
+(as `first`, then as `rejoin`: node 0 started again rejoins), `store_lost`
 (as `zero_code`, nobody lost: a step takes 0.3 s, and at step 5 rank 0 writes OUT_DIR/lost for the test to kill a
 majority of the store's members), `node` (as
 `zero_code` on 3 nodes x 2 workers, sync_scope=node: rank 4 is killed, and node 2's other worker, rank 5, is lost
@@ -43,11 +44,11 @@ from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
-REJOINS = how in ("rejoin", "agent", "node_rejoin", "node_agent")
+REJOINS = how in ("rejoin", "agent", "node_rejoin", "node_agent", "first_rejoin")
 STEPS, EVERY, LOSE_AT = (48 if REJOINS or how == "store_lost" else 24), 4, 9
 NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
-LOST = 4 if NODE_SCOPE else 0 if how == "first" else 2
-STARTED_AGAIN = (4, 5) if NODE_SCOPE else (2,)  # the ranks of node 2
+LOST = 4 if NODE_SCOPE else 0 if how in ("first", "first_rejoin") else 2
+STARTED_AGAIN = (4, 5) if NODE_SCOPE else (LOST,)  # the ranks of the node lost
 SAMPLES = 60
 DEVICE = torch.device(os.environ.get("LOST_REPLICA_DEVICE", "cpu"))
 if DEVICE.type == "cuda":
@@ -75,7 +76,7 @@ model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(DEVICE)
 MOMENTUM = 0.9 if REJOINS else 0.0
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 if (
-    how in ("zero_code", "first", "store_lost") or NODE_SCOPE
+    how in ("zero_code", "first", "first_rejoin", "store_lost") or NODE_SCOPE
 ):  # DDP as the script has it; trainaccel's options make it DiLoCo
     model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
@@ -115,9 +116,12 @@ for step in range(start + 1, STEPS + 1):
         rank == LOST
         and step == LOSE_AT
         and how
-        in ("kill", "first", "auto", "zero_code", "horovod", "node", "node_rejoin", "node_agent", "rejoin", "agent")
+        in (
+            *("kill", "first", "first_rejoin", "auto", "zero_code", "horovod"),
+            *("node", "node_rejoin", "node_agent", "rejoin", "agent"),
+        )
     ):
-        if how == "first":  # the test then ends the rest of its node: its launcher and its store member
+        if how in ("first", "first_rejoin"):  # the test then ends the rest of its node (launcher, store member)
             open(os.path.join(out_dir, "lost"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "store_lost":
@@ -141,7 +145,7 @@ for step in range(start + 1, STEPS + 1):
             refused = str(e)
     if step == 46:
         live = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-    if REJOINS and rank == 0 and step == 40:
+    if REJOINS and rank == min(set(range(dist.get_world_size())) - set(STARTED_AGAIN)) and step == 40:
         momentum["at_join"] = momentum_now()  # what it sends at this round's end
 if how == "horovod":
     diloco.sync()  # the replicas' mean now (nothing to do where step 24 was a sync)
@@ -154,7 +158,7 @@ if how == "kill" or REJOINS:  # the script's own collective on the default group
         refused = str(e)
 split["after"] = list(sampler)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
-if how in ("zero_code", "first", "store_lost") or NODE_SCOPE:
+if how in ("zero_code", "first", "first_rejoin", "store_lost") or NODE_SCOPE:
     diloco = observer_of(model).diloco
 present = diloco.members if how == "horovod" else members(model)  # (the public form, for a script's own use)
 if how != "horovod":  # (hvd.shutdown() destroys it at exit)
