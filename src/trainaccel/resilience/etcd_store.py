@@ -6,7 +6,7 @@ speaks etcd's v3 API through its HTTP gateway (etcd3gw, OpenStack's client; no v
 gives c10d's whole interface (Gloo's rendezvous, torch's barriers, trainaccel's heartbeats and roll call) over it:
 
 - every request goes to one member and moves to the next when that member does not answer, for up to
-  `unavailable_s`; then `DistStoreError` names the store (a majority of its members is lost or cut off);
+  `unavailable_s`; then `StoreUnavailable` (a DistNetworkError, as a TCPStore's lost server) names the store;
 - reads are linearizable (a member cut off from the majority answers nothing rather than old values);
 - `add` and `append` are compare-and-swap loops whose every write carries a receipt, so that a write whose reply was
   lost with a member is never applied twice;
@@ -44,6 +44,11 @@ WATCH_SLICE_S = 2.0
 TXN_OPS = 128
 # Receipts of `add` and `append` (a write's proof, read only after a reply was lost) live this long.
 RECEIPT_TTL_S = 120
+
+
+class StoreUnavailable(dist.DistNetworkError):
+    """No member of the store answered for `unavailable_s`: as a TCPStore whose server is gone, not a wait's timeout
+    (DistStoreError), which callers take for "not there yet"."""
 
 
 def _bytes(value: Any) -> bytes:
@@ -154,7 +159,7 @@ class EtcdStore(dist.Store):
                 last = error
             if time.monotonic() > deadline:
                 detail = (str(last.detail_text or "") or str(last)).strip().replace("\n", " ")[:200]
-                raise dist.DistStoreError(
+                raise StoreUnavailable(
                     f"the job's store ({self.describe()}) did not answer for {self.unavailable_s:g} s: a majority "
                     f"of its members is lost or cut off ({type(last).__name__}: {detail})"
                 )

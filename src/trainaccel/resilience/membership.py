@@ -40,11 +40,13 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainaccel import context
+from trainaccel.resilience import job_store
 from trainaccel.resilience.failfast import (
     HEARTBEAT_S,
     LastChange,
     departed,
     describe_failure,
+    end_process,
     incarnation,
     job_prefix,
     latest_incarnation,
@@ -165,7 +167,10 @@ class Membership:
         attempt, tries, error = 0, 0, None
         while True:
             name = f"{sync}.{attempt}"
-            decided = self._roll_call(name, patience)
+            try:
+                decided = self._roll_call(name, patience)
+            except dist.DistNetworkError as e:  # the store itself is gone: nobody can decide, the job ends here
+                _store_lost(self.rank, e)
             tries = tries + 1 if decided == self.members else 1
             if tries > TRIES:  # the same members failed it every time: a fault no member's loss explains
                 raise RuntimeError(
@@ -184,7 +189,11 @@ class Membership:
                 for group in (self.group, self.across, self.in_node):
                     _abort(group)
                 self.group = self.across = self.in_node = None
-            if self._vote(name, ok, patience):
+            try:
+                voted = self._vote(name, ok, patience)
+            except dist.DistNetworkError as e:
+                _store_lost(self.rank, e)
+            if voted:
                 self._forget([f"{sync}.{a}" for a in range(attempt + 1)])
                 return result
             attempt += 1
@@ -487,3 +496,15 @@ def abort_groups_holding_lost() -> int:
         aborted,
     )
     return aborted
+
+
+def _store_lost(rank: int, error: Exception) -> None:
+    """End this worker in one line: the job's store is gone under a sync (its node, or a majority of its members)."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    if first.startswith("the job's store ("):  # (the etcd store's own line names it)
+        end_process(f"ending rank {rank}: {first}")
+    end_process(
+        f"ending rank {rank}: the job's store ({job_store.describe()}) is gone ({type(error).__name__}: {first}): "
+        f"{job_store.where()} is lost or cut off, and the job with it (with the store on etcd, --store "
+        "etcd://..., the other replicas would train on)"
+    )
