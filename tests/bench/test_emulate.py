@@ -83,6 +83,9 @@ def test_store_etcd_runs_a_member_in_each_of_the_first_three_nodes_and_a_lost_no
         )
         out = subprocess.run([*cluster.exec_prefix(1), sys.executable, "-c", check], capture_output=True, text=True)
         assert out.stdout.strip() == "v", out.stderr  # two members of three: the store goes on
+        cluster.etcd.revive()  # as the bench does between runs: the killed member back, with its data
+        assert [m.poll() is None for m in cluster.etcd.procs] == [True, True, True]
+        assert all(cluster.etcd.health(k) for k in range(3))
         assert EtcdStore  # (imported here: the test needs the etcd extra)
     assert namespaces("tatest-etcd-") == []
 

@@ -74,14 +74,18 @@ def run_workers(
         if rejoin and cluster.etcd is not None and node < len(cluster.etcd.hosts):
             cluster.etcd.start(node)
 
-    code, failed = run_together(
-        commands,
-        [node_env] * len(commands),
-        logs,
-        may_fail=lost,
-        restart=restart,
-        on_end=node_lost if on_etcd else None,
-    )
+    try:
+        code, failed = run_together(
+            commands,
+            [node_env] * len(commands),
+            logs,
+            may_fail=lost,
+            restart=restart,
+            on_end=node_lost if on_etcd else None,
+        )
+    finally:
+        if cluster.etcd is not None:  # the next run starts with every store member back (with its data: it rejoins)
+            cluster.etcd.revive()
     if failed is not None or not out.exists():
         tail = "\n".join(logs[failed or 0].read_text().splitlines()[-30:])
         raise RuntimeError(f"{name} failed on node {failed} (exit {code}):\n{tail}")

@@ -253,6 +253,13 @@ class EtcdCluster:
                 return k
         raise RuntimeError("no etcd member leads")
 
+    def revive(self) -> None:
+        """Every member that was killed started again (with its data: it rejoins), then all healthy."""
+        for k, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                self.start(k)
+        self.wait_healthy()
+
     def kill(self, k: int) -> None:
         """Member `k` killed outright (SIGKILL), as when its node is lost."""
         proc = self.procs[k]
