@@ -47,6 +47,24 @@ from conftest import SCRIPTS
             "auto[:setting=value,...] or time[:setting=value,...]; here: mode 'loss' needs its value at every call, "
             "before the first step too: use it through the API",
         ),
+        (
+            ["--store", "etcd://10.0.0.1"],
+            {},
+            "trainaccel run: error: invalid store='etcd://10.0.0.1' (from --store); accepted: agent, or "
+            "etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses)",
+        ),
+        (
+            ["--store", "etcd://10.0.0.1:2379"],
+            {},
+            "trainaccel run: error: --store etcd://10.0.0.1:2379 needs --rdzv-id NAME: the job's name in the store, "
+            "the same on every node and new for each job (the jobs on one etcd cluster are kept apart by it)",
+        ),
+        (
+            ["--rdzv-id", "j", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"],
+            {"TRAINACCEL_STORE": "etcd://10.0.0.1:2379"},
+            "trainaccel run: error: --store etcd://10.0.0.1:2379 takes the place of --rdzv-backend c10d: leave "
+            "--rdzv-backend out (each node's rank is its --node-rank, as with static rendezvous)",
+        ),
     ],
 )
 def test_invalid_option_exits_before_workers(cli, tmp_path, flags, env, expected):
@@ -54,6 +72,17 @@ def test_invalid_option_exits_before_workers(cli, tmp_path, flags, env, expected
     proc = cli(["run", "--nproc-per-node", "2", *flags, SCRIPTS / "touch_marker.py", tmp_path / "started"], env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip() == expected
+
+
+def test_the_store_on_etcd_rendezvouses_through_trainaccels_own_backend(cli, tmp_path):
+    flags = ["--store", "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379", "--rdzv-id", "job-7", "--node-rank", "2"]
+    proc = cli(["run", "--dry-run", "--nnodes", "3", "--nproc-per-node", "8", *flags, SCRIPTS / "touch_marker.py"])
+    assert proc.returncode == 0, proc.stderr
+    comment, command = proc.stdout.strip().splitlines()
+    assert comment.startswith("# the trainaccel-etcd rendezvous exists inside trainaccel run")
+    assert "--rdzv-backend trainaccel-etcd --rdzv-endpoint etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379" in command
+    assert "--rdzv-id job-7 --rdzv-conf rank=2" in command  # the node's rank travels to the rendezvous
+    assert " TRAINACCEL_STORE=etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 " in command  # the workers read it
 
 
 def test_run_path_is_refused_clearly(cli, tmp_path):

@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(plan)
 
     if args.dry_run:
+        if config.store != "agent":
+            print("# the trainaccel-etcd rendezvous exists inside trainaccel run: start this command with it")
         env_prefix = [f"{k}={v}" for k, v in sorted(env.items())]
         print(shlex.join([*env_prefix, *TORCHRUN, *torchrun_flags(args, module=False), *script_argv(args)]))
         return 0
