@@ -185,12 +185,17 @@ def parse_endpoints(url: str) -> list[tuple[str, int]]:
     return endpoints
 
 
+def store_url(endpoints: Iterable[tuple[str, int]]) -> str:
+    """[(host, port), ...] -> `etcd://host:port,...` (an IPv6 host in brackets): what `parse_endpoints` reads."""
+    return STORE_SCHEME + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in endpoints)
+
+
 def _store(name: str, raw: Any) -> str:
     text = str(raw).strip() if raw is not None else "agent"
     if text in ("", "agent"):
         return "agent"
     try:
-        return "etcd://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in parse_endpoints(text))
+        return store_url(parse_endpoints(text))
     except ValueError:
         raise ConfigError(name, raw, _store.accepted) from None
 

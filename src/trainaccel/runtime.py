@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from trainaccel import context
@@ -78,14 +79,11 @@ def _store_on_etcd(store: str) -> None:
     on a TCPStore on the first node (until shutdown)."""
     if store == "agent" or not context.first_time("env:// on etcd"):
         return
-    import importlib
     import urllib.parse
 
     from trainaccel.resilience import job_store
 
     job_store.configure(store)
-    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
-    original = handlers["env"]
 
     def env_handler(url: str, timeout: Any = None, **kwargs: Any) -> Any:
         query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))  # init_process_group's rank, size
@@ -98,12 +96,19 @@ def _store_on_etcd(store: str) -> None:
             store.set_timeout(timeout)
         yield store, rank, world
 
-    def undo() -> None:
-        handlers["env"] = original
-        job_store.configure(None)
+    _replace_env_handler("env:// on etcd", lambda original: env_handler)
+    context.on_undo("the job's store option", lambda: job_store.configure(None))
 
-    handlers["env"] = env_handler
-    context.on_undo("env:// on etcd", undo)
+
+def _replace_env_handler(what: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """torch's env:// rendezvous handler replaced by `make(the handler before)` until shutdown (`what` names it)."""
+    import importlib
+
+    # The module: `torch.distributed.rendezvous` as an attribute is the function of the same name.
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    original = handlers["env"]
+    handlers["env"] = make(original)
+    context.on_undo(what, lambda: handlers.__setitem__("env", original))
 
 
 def _key_groups_by_attempt() -> None:
@@ -116,20 +121,16 @@ def _key_groups_by_attempt() -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or not context.first_time("attempt-keyed env://"):
         return
-    import importlib
-
     from torch.distributed import PrefixStore
 
-    # The module: `torch.distributed.rendezvous` as an attribute is the function of the same name.
-    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
-    original = handlers["env"]
+    def keyed(original: Callable[..., Any]) -> Callable[..., Any]:
+        def env_handler(url: str, **kwargs: Any) -> Any:
+            for store, rank, world in original(url, **kwargs):
+                yield PrefixStore(f"trainaccel/attempt{attempt}", store), rank, world
 
-    def env_handler(url: str, **kwargs: Any) -> Any:
-        for store, rank, world in original(url, **kwargs):
-            yield PrefixStore(f"trainaccel/attempt{attempt}", store), rank, world
+        return env_handler
 
-    handlers["env"] = env_handler
-    context.on_undo("attempt-keyed env://", lambda: handlers.__setitem__("env", original))
+    _replace_env_handler("attempt-keyed env://", keyed)
 
 
 def _explain_uncaught_failures() -> None:

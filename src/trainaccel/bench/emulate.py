@@ -157,7 +157,6 @@ class EmulatedCluster:
         self.nodes = [f"{self.prefix}n{k}" for k in range(emulation.nodes)]
         self.cgroups: list[str] = []  # each node's CPU cgroup (node-cpus), made in _build
         self.etcd: Any = None  # under store=etcd: the job's store, a member in each of nodes 0-2 (bench.stores)
-        self.store: str | None = None  # its address for `trainaccel run --store`
         self._etcd_data: Path | None = None  # its members' data, removed with it
 
     def address(self, node: int) -> str:
@@ -192,6 +191,11 @@ class EmulatedCluster:
     def __exit__(self, *exc: object) -> None:
         self.teardown()
 
+    @property
+    def store(self) -> str | None:
+        """Under store=etcd, the store's address for `trainaccel run --store`; else None."""
+        return self.etcd.url if self.etcd is not None else None
+
     def kill_node(self, node: int) -> None:
         """SIGKILL every process left in node `node`'s namespace (its store member too): the node lost whole."""
         found = subprocess.run(["ip", "netns", "pids", self.nodes[node]], capture_output=True, text=True)
@@ -212,7 +216,7 @@ class EmulatedCluster:
         except RuntimeError as e:
             shutil.rmtree(scratch, ignore_errors=True)
             raise EmulationError(f"--emulate store=etcd: {e}") from None
-        self.store, self._etcd_data = self.etcd.url, scratch
+        self._etcd_data = scratch
 
     def _build(self) -> None:
         rate = self.emulation.link
@@ -256,7 +260,7 @@ class EmulatedCluster:
         if self.etcd is not None:
             self.etcd.close()
             shutil.rmtree(self._etcd_data, ignore_errors=True)
-            self.etcd, self.store = None, None
+            self.etcd = None
         for ns in namespaces(self.prefix):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         found = cpu_cgroup_root()

@@ -71,7 +71,7 @@ def run_workers(
         """Its launcher ended after its workers: the rest of the node goes too (its store member), then comes back
         with it when it is started again."""
         cluster.kill_node(node)
-        if rejoin and cluster.etcd is not None and node < len(cluster.etcd.hosts):
+        if rejoin and node < len(cluster.etcd.hosts):
             cluster.etcd.start(node)
 
     try:

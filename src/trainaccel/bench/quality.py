@@ -129,14 +129,14 @@ def parse_losses(
     with the store on etcd: by default the store lives there)."""
     losses = {}
     first = 0 if store == "etcd" else 1
+    held = "" if first == 0 else " (node 0 holds the store: lose it under --emulate ...,store=etcd)"
+    accepted = (
+        f"ARM:NODE@STEP with ARM one of {', '.join(arm_options)}, NODE in {first}..{nodes - 1}{held} and STEP in "
+        f"1..{args.steps}"
+    )
     for text in args.lose:
         arm, _, where = text.rpartition(":")
         node, _, step = where.partition("@")
-        held = "" if first == 0 else " (node 0 holds the store: lose it under --emulate ...,store=etcd)"
-        accepted = (
-            f"ARM:NODE@STEP with ARM one of {', '.join(arm_options)}, NODE in {first}..{nodes - 1}{held} and STEP in "
-            f"1..{args.steps}"
-        )
         if arm not in arm_options or not node.isdigit() or not step.isdigit():
             raise ValueError(f"invalid --lose {text!r}; accepted: {accepted}")
         if not first <= int(node) < nodes or not 1 <= int(step) <= args.steps:

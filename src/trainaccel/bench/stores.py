@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from trainaccel.config import store_url
+
 NGINX_CONF = """
 {user}
 worker_processes 1;
@@ -167,7 +169,7 @@ class EtcdCluster:
             f"{name}=http://{host}:{peer}" for name, host, (_, peer) in zip(self.names, self.hosts, self.ports)
         )
         self.procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
-        self.url = "etcd://" + ",".join(f"{host}:{client}" for host, (client, _) in zip(self.hosts, self.ports))
+        self.url = store_url((host, client) for host, (client, _) in zip(self.hosts, self.ports))
         try:
             for k in range(len(self.hosts)):
                 self.start(k, state="new")

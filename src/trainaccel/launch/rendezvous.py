@@ -87,8 +87,8 @@ def check_etcd_args(args: Any, store: str) -> None:
 
 
 def use_etcd(args: Any, store: str) -> None:
-    """torchrun's `args` changed to rendezvous on the job's etcd store: the backend, its endpoint, the node's rank."""
-    check_etcd_args(args, store)
+    """torchrun's `args` (checked by `check_etcd_args`) changed to rendezvous on the job's etcd store: the backend,
+    its endpoint, the node's rank."""
     register()
     conf = f"rank={args.node_rank}"
     args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf

@@ -283,6 +283,7 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
     already: the worker's own, or an earlier one); returns the failure published, or None."""
     from torch.distributed import TCPStore
 
+    from trainaccel.config import STORE_SCHEME
     from trainaccel.resilience import failfast, job_store
 
     rank, local_rank = beat.get("rank"), beat.get("local_rank")
@@ -298,7 +299,7 @@ def publish_death(pid: int, beat: dict, reason: str, announce: bool = True) -> d
     if not address or key is None:
         return None  # not a TCP or etcd store (a file, a hash map): nothing this process can reach
     if isinstance(address, dict):  # the job's store on etcd
-        named = address["etcd"].removeprefix("etcd://")
+        named = address["etcd"].removeprefix(STORE_SCHEME)
     else:
         host, port = address
         named = f"{host}:{port}"

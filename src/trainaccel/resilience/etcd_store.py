@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainaccel.config import parse_endpoints
+from trainaccel.config import STORE_SCHEME, parse_endpoints, store_url
 
 # How long a request may find no member that answers before the store is declared lost: a leader election takes
 # about a second (etcd's default election timeout), a member's restart a few; three heartbeats of the job's hang
@@ -78,19 +78,17 @@ def _prefix_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
-class _Session:
+def _session() -> Any:
     """A requests session whose every request has a connect timeout (etcd3gw's watch passes none)."""
+    import requests  # (etcd3gw's own dependency: imported only where the store is used)
 
-    def __new__(cls) -> Any:
-        import requests
+    class Session(requests.Session):
+        def request(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("timeout") is None:
+                kwargs["timeout"] = (CONNECT_S, None)
+            return super().request(*args, **kwargs)
 
-        class Session(requests.Session):
-            def request(self, *args: Any, **kwargs: Any) -> Any:
-                if kwargs.get("timeout") is None:
-                    kwargs["timeout"] = (CONNECT_S, None)
-                return super().request(*args, **kwargs)
-
-        return Session()
+    return Session()
 
 
 class EtcdStore(dist.Store):
@@ -130,7 +128,12 @@ class EtcdStore(dist.Store):
 
     def describe(self) -> str:
         """What a message names: the members' addresses."""
-        return "etcd at " + ",".join(f"{host}:{port}" for host, port in self.endpoints)
+        return "etcd at " + self.url.removeprefix(STORE_SCHEME)
+
+    @property
+    def url(self) -> str:
+        """The store's address as `--store` takes it."""
+        return store_url(self.endpoints)
 
     # --- transport: one member at a time, the next when it does not answer ---
 
@@ -141,7 +144,7 @@ class EtcdStore(dist.Store):
         if member not in clients:
             host, port = self.endpoints[member]
             clients[member] = etcd3gw.Etcd3Client(
-                host=host, port=port, timeout=(CONNECT_S, REQUEST_S), api_path="/v3/", session=_Session()
+                host=host, port=port, timeout=(CONNECT_S, REQUEST_S), api_path="/v3/", session=_session()
             )
         return clients[member]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from trainaccel.config import Config
+from trainaccel.config import STORE_SCHEME, Config
 
 _store: Any = None  # this process's connection to an etcd store: held for the process (see `shared`)
 _configured: str | None = None  # init()'s store option, over the environment's
@@ -64,7 +64,7 @@ def shared() -> Any:
 def describe() -> str:
     """What a message names: the etcd members, or the agent store's address."""
     if on_etcd():
-        return "etcd at " + setting().removeprefix("etcd://")
+        return "etcd at " + setting().removeprefix(STORE_SCHEME)
     return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
@@ -88,8 +88,5 @@ def address(store: Any) -> Any:
     if isinstance(store, dist.TCPStore):
         return (store.host, store.port)
     if isinstance(store, EtcdStore):
-        return {
-            "etcd": "etcd://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in store.endpoints),
-            "job": store.job,
-        }
+        return {"etcd": store.url, "job": store.job}
     return None

@@ -500,8 +500,10 @@ def abort_groups_holding_lost() -> int:
 
 def _store_lost(rank: int, error: Exception) -> None:
     """End this worker in one line: the job's store is gone under a sync (its node, or a majority of its members)."""
+    from trainaccel.resilience.etcd_store import StoreUnavailable
+
     first = (str(error).strip().splitlines() or [""])[0][:300]
-    if first.startswith("the job's store ("):  # (the etcd store's own line names it)
+    if isinstance(error, StoreUnavailable):  # (its own line names the store)
         end_process(f"ending rank {rank}: {first}")
     end_process(
         f"ending rank {rank}: the job's store ({job_store.describe()}) is gone ({type(error).__name__}: {first}): "
