@@ -60,11 +60,7 @@ def test_parse_store():
 
 @pytest.mark.multiprocess  # ip netns, an etcd member per node
 @needs_netns
-@pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd (tools/install-test-servers)")
 def test_store_etcd_runs_a_member_in_each_of_the_first_three_nodes_and_a_lost_node_takes_its_member():
-    pytest.importorskip("etcd3gw")
-    from trainaccel.resilience.etcd_store import EtcdStore
-
     with EmulatedCluster(parse_emulate("nodes=3,procs-per-node=1,link=1gbit,store=etcd"), "tatest-etcd-") as cluster:
         assert cluster.store == "etcd://10.213.0.1:2379,10.213.0.2:2379,10.213.0.3:2379"
         for node in range(3):  # each member listens inside its node: reached from the node next to it
@@ -86,7 +82,6 @@ def test_store_etcd_runs_a_member_in_each_of_the_first_three_nodes_and_a_lost_no
         cluster.etcd.revive()  # as the bench does between runs: the killed member back, with its data
         assert [m.poll() is None for m in cluster.etcd.procs] == [True, True, True]
         assert all(cluster.etcd.health(k) for k in range(3))
-        assert EtcdStore  # (imported here: the test needs the etcd extra)
     assert namespaces("tatest-etcd-") == []
 
 
