@@ -4,7 +4,6 @@ import logging
 import multiprocessing.process
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import trainaccel
+from trainaccel.bench.stores import free_port
 
 # One compute thread in each process the tests start (pytest's own, its torch imported above, keeps its cores): the
 # suite runs up to a dozen workers on a few cores, where each one's own thread pool only makes them wait on each
@@ -244,12 +244,6 @@ def worker_loader(dataset, **kwargs):
     return torch.utils.data.DataLoader(
         dataset, num_workers=2, multiprocessing_context="forkserver", timeout=120, **kwargs
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_ranks(directory: Path, world: int) -> list[dict]:

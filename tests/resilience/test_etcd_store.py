@@ -228,3 +228,33 @@ def test_bad_store_addresses_are_refused_naming_the_value(url, says):
 
 def test_store_addresses_parse():
     assert parse_endpoints("etcd://10.0.0.1:2379,[::1]:2380,h:1") == [("10.0.0.1", 2379), ("::1", 2380), ("h", 1)]
+
+
+def test_a_cluster_chooses_its_ports_again_when_another_process_took_one(tmp_path, monkeypatch):
+    """A port chosen free and taken before etcd binds it (another test's connection): the cluster starts on others."""
+    import trainaccel.bench.stores as stores
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    choices = [[busy, *stores.listen_ports(5)]]
+    real = stores.listen_ports
+    monkeypatch.setattr(stores, "listen_ports", lambda count: choices.pop() if choices else real(count))
+    try:
+        members = EtcdCluster(tmp_path)
+    finally:
+        taken.close()
+    try:
+        assert busy not in [port for pair in members.ports for port in pair]
+        assert not choices and all(members.health(k) for k in range(3))
+    finally:
+        members.close()
+
+
+def test_listen_ports_are_distinct_and_below_the_ephemeral_range():
+    from trainaccel.bench.stores import listen_ports
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = listen_ports(50)
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)

@@ -16,7 +16,6 @@ import contextlib
 import importlib.util
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainaccel.bench.emulate import EmulatedCluster, Emulation
+from trainaccel.bench.stores import listen_ports
 from trainaccel.bench.tasks import task_flags
 from trainaccel.bench.train import variant_options
 from trainaccel.config import Config, ConfigError
@@ -114,15 +114,6 @@ def torchft_settings(options: dict[str, str]) -> dict[str, Any]:
     return {**{name: getattr(config, name) for name in (*SETTINGS, "sync_scope")}, "fragment_update_alpha": alpha}
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on this machine now (each bound at once, then released)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 def replica_groups(emulation: Emulation | None, nproc_per_node: int, scope: str) -> list[tuple[int, int]]:
     """(node, workers) of each replica group: a node's workers where trainaccel's sync_scope makes the node one
     replica (auto: a node of several workers), else each worker alone."""
@@ -157,7 +148,7 @@ def run_torchft(
     emulation = cluster.emulation if cluster is not None else None
     groups = replica_groups(emulation, args.nproc_per_node, settings["sync_scope"])
     if cluster is None:  # this machine's ports are shared with whatever else runs on it: free ones
-        port, *ports = free_ports(len(groups) + 1)
+        port, *ports = listen_ports(len(groups) + 1)
     else:  # the namespaces are the bench's own: the run's port for the lighthouse, multiples above it for the groups
         ports = [port + GROUP_PORTS * (k + 1) for k in range(len(groups))]
         if ports[-1] > 65535:

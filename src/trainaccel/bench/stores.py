@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,9 +43,29 @@ http {{
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server of ours to listen on (see listen_ports)."""
+    return listen_ports(1)[0]
+
+
+def listen_ports(count: int) -> list[int]:
+    """`count` distinct ports free now, below the kernel's ephemeral range: a port from bind(0) is one that any
+    outgoing connection (another test's Gloo pair) may take as its own before a server started later binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    chosen: list[int] = []
+    with contextlib.ExitStack() as stack:
+        for port in random.sample(range(max(1024, low - 12000), low), min(count * 20, 2000)):
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise RuntimeError(f"no {count} free ports below {low} on 127.0.0.1")
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, what: str, log: Path | None = None) -> None:
@@ -162,21 +184,30 @@ class EtcdCluster:
         self.binary, self.scratch, self.token = binary, scratch, token
         self.hosts = hosts or ["127.0.0.1"] * members
         self.prefixes = prefixes or [[] for _ in self.hosts]
-        loopback = hosts is None
-        self.ports = [(free_port(), free_port()) if loopback else (2379, 2380) for _ in self.hosts]
         self.names = [f"m{k}" for k in range(len(self.hosts))]
-        self.initial = ",".join(
-            f"{name}=http://{host}:{peer}" for name, host, (_, peer) in zip(self.names, self.hosts, self.ports)
-        )
         self.procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
-        self.url = store_url((host, client) for host, (client, _) in zip(self.hosts, self.ports))
-        try:
-            for k in range(len(self.hosts)):
-                self.start(k, state="new")
-            self.wait_healthy()
-        except BaseException:
-            self.close()
-            raise
+        for attempt in range(3):
+            if hosts is None:
+                ports = listen_ports(2 * len(self.hosts))
+                self.ports = list(zip(ports[::2], ports[1::2]))
+            else:
+                self.ports = [(2379, 2380)] * len(self.hosts)
+            self.initial = ",".join(
+                f"{name}=http://{host}:{peer}" for name, host, (_, peer) in zip(self.names, self.hosts, self.ports)
+            )
+            self.url = store_url((host, client) for host, (client, _) in zip(self.hosts, self.ports))
+            try:
+                for k in range(len(self.hosts)):
+                    self.start(k, state="new")
+                self.wait_healthy()
+                return
+            except BaseException as err:
+                self.close()
+                # another process took a port between the choice and etcd's bind: choose again, from scratch
+                if hosts is not None or attempt == 2 or "address already in use" not in str(err):
+                    raise
+                for name in self.names:
+                    shutil.rmtree(self.scratch / f"etcd-{name}", ignore_errors=True)
 
     def start(self, k: int, state: str = "existing") -> None:
         """Start member `k` (again: with its data, it rejoins the cluster)."""
