@@ -44,6 +44,7 @@ def init(*, start_process_group: bool = True, **options: Any) -> Config:
         from trainaccel.resilience.rejoin import prepare_rejoin
 
         prepare_rejoin()  # before any default group starts: a rank started again gets a stand-in one
+        _refuse_growth_without_syncs(config)
     if start_process_group:
         _start_process_group(mapped)
 
@@ -72,6 +73,22 @@ def shutdown() -> None:
     Models built before keep DDP's communication hook (DDP cannot unregister one) and lose the rest.
     """
     context.undo_all()
+
+
+def _refuse_growth_without_syncs(config: Config) -> None:
+    """A job that grows (--nnodes MIN:MAX on etcd) trains only under sync_every without a warm-up: nodes join at a
+    sync, and the default group is a stand-in."""
+    from trainaccel.config import ConfigError
+    from trainaccel.resilience.failfast import first_ranks
+
+    if first_ranks() is None:
+        return
+    if not config.sync_every or config.sync_warmup:
+        raise ConfigError(
+            f"a job that grows (--nnodes MIN:MAX) needs sync_every and sync_warmup=0 (here sync_every="
+            f"{config.sync_every}, sync_warmup={config.sync_warmup}): nodes join at a sync, and its default group is a "
+            "stand-in that no per-step exchange can use"
+        )
 
 
 def _store_on_etcd(store: str) -> None:

@@ -4,6 +4,9 @@ import pytest
 
 from conftest import SCRIPTS
 
+GROWS = ["--nnodes", "3:4", "--store", "etcd://10.0.0.1:2379", "--rdzv-id", "g"]  # a job that may grow to 4 nodes
+SURVIVES = ["--sync-every", "4", "--on-lost-replica", "continue"]
+
 
 @pytest.mark.parametrize(
     "flags, env, expected",
@@ -64,6 +67,30 @@ from conftest import SCRIPTS
             {"TRAINACCEL_STORE": "etcd://10.0.0.1:2379"},
             "trainaccel run: error: --store etcd://10.0.0.1:2379 takes the place of --rdzv-backend c10d: leave "
             "--rdzv-backend out (each node's rank is its --node-rank, as with static rendezvous)",
+        ),
+        (
+            [*GROWS, "--sync-every", "4"],
+            {},
+            "trainaccel run: error: --nnodes 3:4 with --store: nodes join a running job at a sync, so it needs "
+            "--sync-every and --on-lost-replica continue (each replica trains alone between syncs); give --nnodes one "
+            "number otherwise",
+        ),
+        (
+            [*GROWS, *SURVIVES, "--sync-warmup", "2"],
+            {},
+            "trainaccel run: error: --nnodes 3:4 with --sync-warmup 2: the warm-up's per-step exchange runs over the "
+            "default group, which a job that grows cannot start (its nodes are not all there); use 0",
+        ),
+        (
+            [*GROWS, *SURVIVES, "--nproc-per-node", "auto"],
+            {},
+            "trainaccel run: error: --nnodes 3:4 with --nproc-per-node auto: a job that grows needs the same number of "
+            "workers on every node, given as a number (each worker's rank follows from its node's)",
+        ),
+        (
+            [*GROWS, *SURVIVES, "--node-rank", "4"],
+            {},
+            "trainaccel run: error: invalid --node-rank 4 with --nnodes 3:4; accepted: 0 to 3",
         ),
     ],
 )

@@ -624,12 +624,42 @@ class OuterSync:
         whole model's broadcast is as long as a sync in full precision. Buffers are (a first forward changed them).
         """
         params = [p for fragment in self._fragments for p in fragment.params]
-        tensors = [*([] if self._still_equal() else params), *self._fragments[-1].buffers]
-        if tensors:
-            broadcast_from_first(tensors, self.group)
+        if self._membership is not None and failfast.first_ranks() is not None:
+            self._from_first_member([*params, *self._fragments[-1].buffers])
+        else:
+            tensors = [*([] if self._still_equal() else params), *self._fragments[-1].buffers]
+            if tensors:
+                broadcast_from_first(tensors, self.group)
         self._make_anchors()
         self._synced_buffers = [b.detach().float().clone() for b in self._fragments[-1].buffers]
         self.live_is_synced = True
+
+    def _from_first_member(self, tensors: list[torch.Tensor]) -> None:
+        """A job that grows: the lowest member's values in `tensors` on every member, over the members' group (the
+        default group is a stand-in, and DDP's broadcast over it sent nothing), on the communication thread."""
+        membership, device = self._membership, self.params[0].device
+        kept = [t for t in tensors if not t.is_meta]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in kept:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+
+        def exchange(group: Any, members: int) -> list[torch.Tensor]:
+            first = membership.rank == membership.members[0]
+            flats = []
+            for same in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in same])
+                if not first:
+                    flat.zero_()
+                dist.all_reduce(flat, group=group)  # the first's values plus zeros: its bits (a try is repeatable)
+                flats.append(flat)
+            return flats
+
+        share = functools.partial(membership.run, f"start@{self.steps}", exchange, self._hang_s())
+        flats = sync_thread().run(share, device, self._groups())
+        with torch.no_grad():
+            for same, flat in zip(by_dtype.values(), flats):
+                for tensor, value in zip(same, flat.split([t.numel() for t in same])):
+                    tensor.copy_(value.view_as(tensor))
 
     def _make_anchors(self) -> None:
         for fragment in self._fragments:

@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             # last attempt's Gloo addresses and fail or hang. A fresh store per attempt avoids that.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         if config.store != "agent":
-            from trainaccel.launch.rendezvous import check_etcd_args
+            from trainaccel.launch.rendezvous import check_etcd_args, check_growth
 
             check_etcd_args(args, config.store)
+            check_growth(args, config)
         if args.np is not None or args.hosts or args.hostfile:
             from trainaccel.launch.hosts import plan_hosts
 

@@ -52,6 +52,7 @@ _incarnation = 0  # on_lost_replica=continue: how many times this rank was start
 # A rank started again: the running job's replicas of several ranks (its nodes under sync_scope=node), as its members
 # wrote them in the store; its own stand-in default group cannot tell.
 _job_replicas: list[list[int]] = []
+_first_ranks: list[int] = []  # a job that grows: [how many ranks start it] (start_growing); []: a job of fixed size
 _attempt: int | None = None  # a worker restarted by its agent that rejoined the others' earlier attempt: that attempt
 
 
@@ -100,6 +101,11 @@ def _start_key(what: str, rank: int, prefix: str | None, incarnation: int) -> st
     return f"{job_prefix() if prefix is None else prefix}{what}/{rank}{f'.{incarnation}' if incarnation else ''}"
 
 
+def heartbeat_key(rank: int, prefix: str | None = None) -> str:
+    """The store key of `rank`'s last heartbeat (any start of it)."""
+    return f"{job_prefix() if prefix is None else prefix}heartbeat/{rank}"
+
+
 def replicas_key(prefix: str | None = None) -> str:
     """The store key of the job's replicas that span several ranks (JSON lists of global ranks; [] where each rank is
     one), written by the members under on_lost_replica=continue."""
@@ -143,6 +149,21 @@ def become_incarnation(number: int, replicas: list[list[int]] | None = None) -> 
         context.on_undo("job replicas", _job_replicas.clear)
     _incarnation = number
     _job_replicas[:] = [list(ranks) for ranks in replicas or []]
+
+
+def start_growing(first: int, nodes: list[list[int]]) -> None:
+    """This worker's job grows (`--nnodes MIN:MAX` on etcd): ranks below `first` start it, the others join later;
+    `nodes`: the global ranks of each of its places for a node (until shutdown)."""
+    if context.first_time("job grows"):
+        context.on_undo("job grows", _first_ranks.clear)
+        context.on_undo("job replicas", _job_replicas.clear)
+    _first_ranks[:] = [first]
+    _job_replicas[:] = [list(ranks) for ranks in nodes]
+
+
+def first_ranks() -> int | None:
+    """A job that grows: how many ranks start it (the others are places for nodes that join); None: fixed size."""
+    return _first_ranks[0] if _first_ranks else None
 
 
 def job_replicas() -> list[list[int]]:
@@ -216,7 +237,7 @@ class Heartbeat:
             "step_s": self._steps.median_s(),
             **extra,
         }
-        self._store.set(f"{self._key}heartbeat/{self.rank}", json.dumps(beat))
+        self._store.set(heartbeat_key(self.rank, self._key), json.dumps(beat))
         mine = lost_key(self.rank, incarnation=_incarnation)
         if _survivors and self._store.check([mine]):
             why = self._store.get(mine).decode()
@@ -790,7 +811,7 @@ def failed(error: BaseException) -> None:
 
 def read_heartbeats(store: dist.Store, world: int, prefix: str) -> dict[int, dict]:
     """Every rank's last heartbeat in the store, by rank (a rank that never beat is left out)."""
-    keys = {rank: f"{prefix}heartbeat/{rank}" for rank in range(world)}
+    keys = {rank: heartbeat_key(rank, prefix) for rank in range(world)}
     if store.check(list(keys.values())):  # every rank beats: one round trip
         return {rank: json.loads(value) for rank, value in zip(keys, store.multi_get(list(keys.values())))}
     return {rank: json.loads(store.get(key)) for rank, key in keys.items() if store.check([key])}

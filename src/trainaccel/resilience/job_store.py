@@ -90,3 +90,25 @@ def address(store: Any) -> Any:
     if isinstance(store, EtcdStore):
         return {"etcd": store.url, "job": store.job}
     return None
+
+
+# A job that grows (--nnodes MIN:MAX on etcd): its launchers write how many nodes start it and how many may take part,
+# before any worker starts; its workers read it (resilience.rejoin). Absent: a job of fixed size.
+PLACES_KEY = "trainaccel/places"
+
+
+def note_places(store: Any, first: int, most: int) -> None:
+    """A growing job's sizes, in nodes, written once (every launcher writes the same)."""
+    import json
+
+    store.compare_set(PLACES_KEY, "", json.dumps({"first": first, "most": most}))
+
+
+def places(store: Any) -> tuple[int, int] | None:
+    """(the nodes that start the job, the most that take part) of a job that grows; None: a job of fixed size."""
+    import json
+
+    if not store.check([PLACES_KEY]):
+        return None
+    sizes = json.loads(store.get(PLACES_KEY))
+    return sizes["first"], sizes["most"]

@@ -21,7 +21,12 @@ join itself runs as a sync does: roll call with the joiners, a live member's sta
 for it, vote. Joins happen only there (a shrink-only membership between them), so every member meets the joiner at
 the same step. A replica of several ranks (a node's workers under sync_scope=node) is lost whole and admitted whole,
 its workers' per-step group built from the store at their join. The store itself lives with the job's first node
-(torchrun's agent store): if that node is lost, every worker ends, as its heartbeat says.
+(torchrun's agent store): if that node is lost, every worker ends, as its heartbeat says; on etcd
+(`store=etcd://...`) no node holds it.
+
+A job that grows (`--nnodes MIN:MAX` on etcd) starts with the ranks of its first MIN nodes as members; the ranks of
+each later place for a node are judged lost from the start ("not taken yet"), so a node that takes a place joins as a
+rank started again does.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainaccel import context
-from trainaccel.resilience import job_store
+from trainaccel.resilience import failfast, job_store
 from trainaccel.resilience.failfast import (
     HEARTBEAT_S,
     LastChange,
@@ -119,6 +124,9 @@ class Membership:
                 "on_lost_replica=continue needs the syncs to span the whole job (its default group); this group has "
                 f"{len(self.members)} of {dist.get_world_size()} ranks"
             )
+        first = failfast.first_ranks()
+        if first is not None:  # a job that grows: the ranks of its first nodes start it, the others join later
+            self.members = [rank for rank in self.members if rank < first]
         self.incarnations = dict.fromkeys(self.members, 0)
         self.incarnations[dist.get_rank()] = incarnation()
         self.epoch, self.group, self.rank, self.timeout = 0, group, dist.get_rank(), timeout_s
@@ -145,6 +153,12 @@ class Membership:
         self._nodes = [sorted(ranks) for ranks in replicas] if replicas else None
         if incarnation() == 0:  # what a rank started again checks before it rejoins (resilience.rejoin)
             self._store.set(replicas_key(), json.dumps(sorted(map(sorted, replicas or []))))
+            mine = sorted(r for r in range(self._world) if self._replica[r] == self._replica[self.rank])
+            if failfast.first_ranks() is not None and len(mine) > 1 and self.replica_group is None:
+                # A job that grows has no real default group: its node's per-step exchange needs a group of its own,
+                # as a node started again gets at its join (built now: every worker of the node wraps its model).
+                where = dist.PrefixStore(f"{self._key}groups/start/replica{mine[0]}/", self._store)
+                self.replica_group = self._gloo_group(where, mine)
 
     @property
     def members(self) -> list[int]:

@@ -8,6 +8,11 @@ script's group is a stand-in (torch's `fake` backend: the right rank and size, n
 own collectives on it end with one line naming the call. Its model and outer state come from a live replica at
 their next round's end (`Membership.join`), over a group of the members built from the job's store.
 
+A job that grows (`--nnodes MIN:MAX` with the store on etcd) starts with nodes 0 to MIN-1; the ranks of each later
+node's place are judged lost from the start, so a node that takes a place joins as a rank started again rejoins.
+With nodes missing, no real default group can start: every worker's is a stand-in, and DiLoCo's first sync sends
+the lowest member's model to the others over the members' own group.
+
 Under on_lost_replica=continue every worker refuses the script's collectives on the default group from its first
 training step on (`watch_script_collectives`), naming the lost rank once there is one (`refuse_script_collectives`):
 a call that met a loss would fail on a Gloo error or wait for the collective timeout (Lightning's per-batch SIGTERM
@@ -81,8 +86,24 @@ def prepare_rejoin() -> int:
             timeout=timedelta(seconds=STORE_CONNECT_S),
             wait_for_workers=False,
         )
-    attempt = _running_attempt(store, rank, world, own)
+    places = job_store.places(store) if job_store.on_etcd() else None
+    first = None
+    if places is not None:  # a job that grows: every worker's default group is a stand-in (see _grow)
+        first = _grow(store, rank, world, places)
+    if first is not None and rank < first and not _started_before(store, rank, own):
+        # (its peers may beat already: with no real default group, none waits for the others to start)
+        attempt = None
+    else:
+        attempt = _running_attempt(store, rank, world, own)
+    if first is not None and rank >= first and attempt is None:
+        attempt = _await_place(store, rank, world, own)
     if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt), attempt == own):
+        if first is not None:
+            _start_stand_in_group(store, rank, world)
+            refuse_script_collectives(
+                "a job that grows (--nnodes MIN:MAX) has no default group to communicate over: its nodes are not all "
+                "there, so it is a stand-in"
+            )
         return 0
     # Under sync_scope=node, the job's nodes: this worker's node rejoins as one replica, its workers together.
     key = failfast.replicas_key(failfast.job_prefix(attempt))
@@ -90,20 +111,78 @@ def prepare_rejoin() -> int:
     if attempt != own:  # restarted by its node's agent, the others still at their attempt: this process joins it
         failfast.join_attempt(attempt)
         store.set(failfast.rejoined_attempt_key(own, int(os.environ.get("GROUP_RANK", "0"))), str(attempt))
+    prefix = failfast.job_prefix(attempt)
+    why = store.get(failfast.lost_key(rank, prefix, failfast.latest_incarnation(store, rank, prefix))).decode()
     number = store.add(failfast.incarnation_key(rank), 1)
     failfast.become_incarnation(number, replicas)
-    log.warning(
-        "rank %d was lost from this job and the others went on: this process rejoins it (start %d of the rank); "
-        "its model and outer state come from a live replica at their next sync",
-        rank,
-        number,
-    )
+    if places is not None:
+        _grow(store, rank, world, places)  # (its nodes: as every worker of the job sees them)
+    if why == PLACE_FREE:
+        log.warning(
+            "rank %d takes a free place in a job that grows: this process joins it; its model and outer state come "
+            "from a live replica at their next sync",
+            rank,
+        )
+    else:
+        log.warning(
+            "rank %d was lost from this job and the others went on: this process rejoins it (start %d of the rank); "
+            "its model and outer state come from a live replica at their next sync",
+            rank,
+            number,
+        )
     _start_stand_in_group(store, rank, world)
     refuse_script_collectives(
         f"rank {rank} rejoined a running job, whose other replicas are at other steps, so its default group is a "
         "stand-in"
     )
     return number
+
+
+def _grow(store: Any, rank: int, world: int, places: tuple[int, int]) -> int:
+    """A worker of a job that grows: ranks of nodes 0 to MIN-1 start it, each later node's ranks wait, as places the
+    members went on without, until a node takes them and joins (Membership.join). Returns how many ranks start it."""
+    (first_nodes, most), per_node = places, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world != most * per_node:
+        raise RuntimeError(
+            f"a job that grows to {most} nodes of {per_node} workers has {most * per_node} ranks, not WORLD_SIZE "
+            f"{world}: every node must run the same number of workers"
+        )
+    first = first_nodes * per_node
+    failfast.start_growing(first, [list(range(n * per_node, (n + 1) * per_node)) for n in range(most)])
+    if rank < first and failfast.own_attempt() == 0:  # the job's start: its places are free (written alike by all)
+        prefix = failfast.job_prefix(0)
+        for place in range(first, world):
+            store.compare_set(failfast.lost_key(place, prefix), "", PLACE_FREE)
+    return first
+
+
+PLACE_FREE = "a place for a node to join (--nnodes MIN:MAX): not taken yet"
+PLACE_WAIT_S = 600.0  # a node that joins before the job started: how long it waits for the job's first workers
+
+
+def _started_before(store: Any, rank: int, own: int) -> bool:
+    """Whether `rank` ran in this job before this process (it beat, ended or was judged lost at some attempt)."""
+    for attempt in range(own, -1, -1):
+        prefix = failfast.job_prefix(attempt)
+        latest = failfast.latest_incarnation(store, rank, prefix)
+        keys = [failfast.heartbeat_key(rank, prefix), failfast.lost_key(rank, prefix, latest)]
+        if any(store.check([key]) for key in keys):
+            return True
+    return False
+
+
+def _await_place(store: Any, rank: int, world: int, own: int) -> int:
+    """A node joining a growing job that has not started yet: waits until the first workers free its places."""
+    began = time.monotonic()
+    while time.monotonic() - began < PLACE_WAIT_S:
+        attempt = _running_attempt(store, rank, world, own)
+        if attempt is not None:
+            return attempt
+        time.sleep(VERDICT_POLL_S)
+    raise RuntimeError(
+        f"rank {rank} came to join a job that grows, and no worker of its first nodes started within "
+        f"{PLACE_WAIT_S:.0f} s: start nodes 0 to MIN-1 of --nnodes MIN:MAX first"
+    )
 
 
 def _running_attempt(store: Any, rank: int, world: int, own: int) -> int | None:
