@@ -33,13 +33,15 @@ def run_workers(
     port: int = 29500,
     lost_node: int | None = None,
     rejoin: bool = False,
+    join_when: Callable[[], bool] | None = None,
 ) -> dict:
     """Run `launcher ... worker` to completion and return the JSON its rank 0 wrote to `out`.
 
     Without a cluster: `--standalone` on this machine. With one: a torchrun per node inside
     its namespace, static rendezvous on node 0, Gloo bound to the node's shaped interface.
     `lost_node`: a node whose workers end themselves on purpose (the others' result is the run's); `rejoin`: its
-    launcher is started again once it ended, and its second start must succeed.
+    launcher is started again once it ended, and its second start must succeed. `join_when`: the job may grow by
+    the cluster's last node (`--nnodes N-1:N`, with the store on etcd), which starts once it says so (if ever).
     """
     if cluster is None:
         return run_job(name, [*launcher, "--standalone", f"--nproc-per-node={nproc_per_node}", *worker], out, env)
@@ -48,11 +50,12 @@ def run_workers(
     # a plain torchrun baseline keeps torchrun's store on node 0.
     on_etcd = cluster.store is not None and launcher == TRAINACCEL_RUN
     store = ["--store", cluster.store, f"--rdzv-id=bench-{uuid.uuid4().hex[:12]}"] if on_etcd else []
+    nnodes = f"{emulation.nodes - 1}:{emulation.nodes}" if join_when is not None else str(emulation.nodes)
     commands = [
         [
             *cluster.exec_prefix(node),
             *launcher,
-            f"--nnodes={emulation.nodes}",
+            f"--nnodes={nnodes}",
             f"--node-rank={node}",
             f"--nproc-per-node={emulation.procs_per_node}",
             f"--master-addr={cluster.address(0)}",
@@ -82,6 +85,7 @@ def run_workers(
             may_fail=lost,
             restart=restart,
             on_end=node_lost if on_etcd else None,
+            later=None if join_when is None else {emulation.nodes - 1: join_when},
         )
     finally:
         if cluster.etcd is not None:  # the next run starts with every store member back (with its data: it rejoins)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainaccel.bench.emulate import HELP as EMULATE_HELP
-from trainaccel.bench.emulate import EmulatedCluster
+from trainaccel.bench.emulate import EmulatedCluster, Emulation
 from trainaccel.bench.jobs import (
     describe_workers,
     interleaved_or_exit_code,
@@ -88,6 +88,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="in arm ARM (one with --lose), the lost node's trainaccel run is started again as soon as it ended: "
         "its worker rejoins the others at their next round's end; every replica's final parameters are compared "
         "(repeatable)",
+    )
+    parser.add_argument(
+        "--join",
+        action="append",
+        default=[],
+        metavar="ARM@STEP",
+        help="in arm ARM (one with sync_every and on_lost_replica=continue), the job starts without the emulated "
+        "cluster's last node (trainaccel run --nnodes N-1:N, needs --emulate ...,store=etcd), which starts when the "
+        "others reach step STEP and joins at their next round's end; STEP 'never': it never does, the job that could "
+        "have grown (repeatable)",
     )
     parser.add_argument(
         "--restart",
@@ -165,6 +175,32 @@ def parse_losses(
     return losses
 
 
+def parse_joins(
+    args: argparse.Namespace, arm_options: dict[str, dict[str, str]], emulation: Emulation | None
+) -> dict[str, int]:
+    """--join ARM@STEP flags as {arm: step} (0: never), each checked against the arms and the run."""
+    joins = {}
+    accepted = "ARM@STEP with ARM a trainaccel arm and STEP in 1 to --steps - 1, or never"
+    for text in args.join:
+        arm, _, step = text.rpartition("@")
+        if arm not in arm_options or arm in ARMS or not (step == "never" or step.isdigit()):
+            raise ValueError(f"invalid --join {text!r}; accepted: {accepted} (arms: {', '.join(arm_options)})")
+        if step != "never" and not 1 <= int(step) < args.steps:
+            raise ValueError(f"invalid --join {text!r}; accepted: {accepted}")
+        config = Config.resolve(env={}, flags=arm_options[arm])
+        if not config.sync_every or config.on_lost_replica != "continue":
+            raise ValueError(
+                f"invalid --join {text!r}: arm {arm} has no sync_every with on_lost_replica=continue, which a node "
+                "joining needs"
+            )
+        if emulation is None or emulation.store != "etcd":
+            raise ValueError(f"invalid --join {text!r}: a job grows with its store on etcd (--emulate ...,store=etcd)")
+        if arm in args.rejoin or any(t.rpartition(":")[0] == arm for t in args.lose):
+            raise ValueError(f"invalid --join {text!r}: arm {arm} also loses a node; one scenario per arm")
+        joins[arm] = 0 if step == "never" else int(step)
+    return joins
+
+
 def _run_arm(
     arm: str,
     args: argparse.Namespace,
@@ -177,6 +213,7 @@ def _run_arm(
     rejoin: bool = False,
     restart: bool = False,
     global_batch: int | None = None,
+    join: int | None = None,
 ) -> dict:
     if arm == "trainaccel":
         launcher, env = TRAINACCEL_RUN, {**os.environ, **Config.resolve(env={}, flags=options).to_env(options)}
@@ -190,6 +227,11 @@ def _run_arm(
     ]
     if loss is not None:
         worker += [f"--lose-node={loss[0]}", f"--lose-at={loss[1]}"]
+    join_when = None
+    if join is not None:  # the last node starts once rank 0 has reached the step (0: never)
+        marker = out.with_suffix(".join")
+        worker += ["--compare-replicas", *([f"--join-at={join}", f"--join-marker={marker}"] if join else [])]
+        join_when = marker.exists
     if global_batch is not None:
         worker.append(f"--global-batch={global_batch}")
     if restart:  # every worker started again from the job's last checkpoint after the loss
@@ -209,9 +251,10 @@ def _run_arm(
         port=port,
         lost_node=lost_node,
         rejoin=rejoin,
+        join_when=join_when,
     )
     result["wall_seconds"] = time.monotonic() - began  # start to end: restarts and validations included
-    if loss is not None:  # every replica's end: equal, for those present at the last sync
+    if loss is not None or join is not None:  # every replica's end: equal, for those present at the last sync
         ends = [json.loads(path.read_text()) for path in sorted(out.parent.glob(f"{out.name}.rank*"))]
         result["replicas"] = ends
         result["replicas_equal"] = len({e["parameters_sha256"] for e in ends}) == 1
@@ -325,8 +368,9 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
             arm: torchft_settings(arm_options[arm]) for arm in arm_options if arm in PEER_ARMS or arm in peer_variants
         }
         named = {text.rpartition(":")[0] for text in args.lose} | {*args.rejoin, *args.restart, *args.keep_global_batch}
+        named |= {text.rpartition("@")[0] for text in args.join}
         if named & set(peer):
-            raise ValueError("the torchft arm takes no --lose, --rejoin, --restart or --keep-global-batch")
+            raise ValueError("the torchft arm takes no --lose, --join, --rejoin, --restart or --keep-global-batch")
         labels = {}
         for arm, own in OWN_ARMS.items():  # a --variant of the same label is the user's own arm
             if arm in arms and arm not in {v.partition(":")[0].strip() for v in args.variant}:
@@ -339,6 +383,7 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
             emulation.nodes if emulation is not None else 0,
             emulation.store if emulation else "agent",
         )
+        joins = parse_joins(args, arm_options, emulation)
         task = TASKS[args.task]
         task.load()  # its data is there (or the error says what to install) before any worker starts
     except (ValueError, ConfigError, RuntimeError) as e:
@@ -363,6 +408,7 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
             rejoin=arm in args.rejoin,
             restart=arm in args.restart,
             global_batch=args.batch_size * workers if arm in args.keep_global_batch else None,
+            join=joins.get(arm),
         )
 
     runs, code = interleaved_or_exit_code(

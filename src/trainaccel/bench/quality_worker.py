@@ -15,6 +15,8 @@ loop after the step it joined at, its learning-rate schedule moved on as far; wi
 `OUT.rank<R>` (the step it joined at, a digest of its final parameters) for the replicas to be compared.
 With `--global-batch N` each worker draws N over the workers present (`trainaccel.comm.members`) at each step: the
 survivors of a loss read the lost worker's share, as a script that keeps its global batch does.
+With `--join-at S --join-marker F` rank 0 writes F before step S: the bench then starts a node that joins the job
+(`bench quality --join`); with `--compare-replicas` every rank writes `OUT.rank<R>` as with `--lose-node`.
 With `--checkpoint DIR`, rank 0 saves the job (model, optimizer, schedule, curve, clock) after each validation, the
 replicas averaged, and a job started again (torchrun's --max-restarts) resumes from it: today's way back from a loss.
 """
@@ -60,6 +62,9 @@ def main() -> None:
     add_task_arguments(parser)
     parser.add_argument("--lose-node", type=int, help="this node's workers kill themselves at --lose-at")
     parser.add_argument("--lose-at", type=int, help="the step before which they do")
+    parser.add_argument("--join-at", type=int, help="rank 0 writes --join-marker before this step")
+    parser.add_argument("--join-marker", help="the file that starts a node joining the job (bench quality --join)")
+    parser.add_argument("--compare-replicas", action="store_true", help="every rank writes OUT.rank<R> at its end")
     parser.add_argument("--checkpoint", help="a folder: saved to after each validation, resumed from at a restart")
     parser.add_argument("--global-batch", type=int, help="examples per step over the workers present at each step")
     args = parser.parse_args()
@@ -134,6 +139,8 @@ def main() -> None:
     for step in range(first + 1, args.steps + 1):
         if lost_here and step == args.lose_at and not first:
             os.kill(os.getpid(), signal.SIGKILL)  # a node lost: its worker gone without a word
+        if args.join_at == step and rank == 0:  # the bench starts the node that joins
+            open(args.join_marker, "w").close()
         size = batch_size()
         if not sizes or sizes[-1][1] != size:
             sizes.append([step, size])
@@ -149,7 +156,7 @@ def main() -> None:
     train_loss = float(loss.detach())
     sent = sent_per_step(model, args.arm, sent_before, args.steps)
 
-    if args.lose_node is not None:  # every replica's end, to compare them
+    if args.lose_node is not None or args.compare_replicas:  # every replica's end, to compare them
         final = torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
         digest = hashlib.sha256(final.numpy().tobytes()).hexdigest()
         with open(f"{args.out}.rank{rank}", "w") as f:

@@ -40,6 +40,7 @@ def run_together(
     may_fail: tuple[int, ...] = (),
     restart: tuple[int, ...] = (),
     on_end: Callable[[int], None] | None = None,
+    later: dict[int, Callable[[], bool]] | None = None,
 ) -> tuple[int, int | None]:
     """Run commands side by side; the first failure stops the rest (as does Ctrl-C, re-raised).
 
@@ -47,7 +48,8 @@ def run_together(
     process group, so stopping it stops everything it started. The commands at `may_fail` may end in failure
     (a node lost on purpose): the others run on, and the result is theirs. Those also at `restart` are started
     again once, as soon as they ended (a lost node started anew: its log goes on), and must then succeed.
-    `on_end(i)` is called once as each command at `may_fail` first ends (before any start again).
+    `on_end(i)` is called once as each command at `may_fail` first ends (before any start again). A command at
+    `later` starts once its function says so (a node joining a running job); one that never started is not waited for.
     """
     envs = envs or [None] * len(commands)
     files = [open(path, "w") for path in logs] if logs else [None] * len(commands)
@@ -58,11 +60,16 @@ def run_together(
         err = subprocess.STDOUT if out else None
         return subprocess.Popen(command, env=env, start_new_session=True, stdout=out, stderr=err)
 
+    waiting = dict(later or {})
     try:
-        for command, env, out in zip(commands, envs, files):
-            procs.append(start(command, env, out))
+        for i, (command, env, out) in enumerate(zip(commands, envs, files)):
+            procs.append(None if i in waiting else start(command, env, out))  # type: ignore[arg-type]
         while True:
-            codes = [p.poll() for p in procs]
+            for i, due in list(waiting.items()):
+                if due():
+                    del waiting[i]
+                    procs[i] = start(commands[i], envs[i], files[i])
+            codes = [p.poll() if p is not None else 0 for p in procs]
             for i in sorted(may_fail - ended):
                 if codes[i] is not None:
                     ended.add(i)
@@ -75,13 +82,13 @@ def run_together(
                     procs[i], codes[i] = start(commands[i], envs[i], files[i]), None
             failed = [i for i, code in enumerate(codes) if code not in (None, 0) and i not in may_fail]
             if failed:
-                stop(procs)
+                stop([p for p in procs if p is not None])
                 return codes[failed[0]], failed[0]  # type: ignore[return-value]
             if all(code == 0 or (code is not None and i in may_fail) for i, code in enumerate(codes)):
                 return 0, None
             time.sleep(0.1)
     except BaseException:
-        stop(procs)
+        stop([p for p in procs if p is not None])
         raise
     finally:
         for f in files:
