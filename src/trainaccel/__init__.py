@@ -117,8 +117,9 @@ def init(
             default: stop.
         store: where the job's store lives (rendezvous, heartbeats, the roll call): agent (torchrun's, in the first
             node's agent: losing that node ends the job) or etcd://HOST:PORT,... (an etcd cluster of 3 or 5 members: the
-            job outlives any node while a majority of them answers; needs --rdzv-id). Accepted: agent, or
-            etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses); default: agent.
+            job outlives any node while a majority of them answers, and with --nnodes MIN:MAX nodes join it; needs
+            --rdzv-id). Accepted: agent, or etcd://HOST:PORT[,HOST:PORT...] (the etcd members' client addresses);
+            default: agent.
         outer_optimizer: the update applied at each sync of sync_every: average (the replicas' mean; outer_lr and
             outer_momentum unused), nesterov (SGD with Nesterov momentum on the averaged change, as DiLoCo's long runs),
             sgd (heavy-ball momentum). Accepted: average, nesterov, sgd; default: average.

@@ -408,7 +408,8 @@ class Config:
         _store,
         "where the job's store lives (rendezvous, heartbeats, the roll call): agent (torchrun's, in the first node's "
         "agent: losing that node ends the job) or etcd://HOST:PORT,... (an etcd cluster of 3 or 5 members: the job "
-        "outlives any node while a majority of them answers; needs --rdzv-id)",
+        "outlives any node while a majority of them answers, and with --nnodes MIN:MAX nodes join it; needs "
+        "--rdzv-id)",
     )
     outer_optimizer: str = _option(
         "average",

@@ -215,6 +215,48 @@ def test_rejoin_names_an_arm_that_loses_a_node():
         parse_losses(Namespace(**flags, rejoin=["other"]), arms, nodes=3)
 
 
+@pytest.mark.parametrize(
+    ("join", "store", "message"),
+    [
+        ("grow@100", "etcd", None),
+        ("grow@never", "etcd", None),
+        ("grow@100", "agent", "a job grows with its store on etcd"),
+        ("plain@100", "etcd", "arm plain has no sync_every with on_lost_replica=continue"),
+        ("baseline@100", "etcd", "accepted: ARM@STEP with ARM a trainaccel arm"),
+        ("grow@300", "etcd", "STEP in 1 to --steps - 1, or never"),
+        ("grow@soon", "etcd", "STEP in 1 to --steps - 1, or never"),
+        ("lost@100", "etcd", "arm lost also loses a node; one scenario per arm"),
+    ],
+)
+def test_join_names_a_trainaccel_arm_that_survives_losses_a_step_and_a_store_on_etcd(join, store, message):
+    from argparse import Namespace
+
+    from trainaccel.bench.emulate import Emulation
+    from trainaccel.bench.quality import parse_joins
+
+    survives = {"sync_every": "4", "on_lost_replica": "continue"}
+    arms = {"baseline": {}, "grow": survives, "plain": {"sync_every": "4"}, "lost": survives}
+    args = Namespace(join=[join], lose=["lost:2@9"], rejoin=[], steps=300)
+    emulation = Emulation(4, 1, "500mbit", None, store)
+    if message is None:
+        assert parse_joins(args, arms, emulation) == {"grow": 0 if join.endswith("never") else 100}
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_joins(args, arms, emulation)
+
+
+@pytest.mark.multiprocess
+def test_a_command_started_later_starts_when_due_and_one_never_due_is_not_waited_for(tmp_path):
+    from trainaccel.launch.local import run_together
+
+    marker = tmp_path / "go"
+    first = ["sh", "-c", f"sleep 0.3; touch {marker}; sleep 0.5"]
+    later = ["sh", "-c", f"test -e {marker} && touch {tmp_path / 'joined'}"]
+    assert run_together([first, later], later={1: marker.exists}) == (0, None)
+    assert (tmp_path / "joined").exists()
+    assert run_together([["true"], ["false"]], later={1: lambda: False}) == (0, None)
+
+
 def test_keep_global_batch_names_an_arm_of_the_run():
     from argparse import Namespace
 
