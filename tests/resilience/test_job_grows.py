@@ -1,7 +1,8 @@
-"""A job that grows past its starting size: 3 nodes x 1 worker started with `trainaccel run --nnodes 3:4` and the
-job's store on a 3-member etcd cluster, a 4th node started with node rank 3 once they train: it joins at a sync,
-takes the model from a live replica, the data is split over the 4, and all end equal. (What cannot grow is refused
-in one line: tests/launch/test_errors.py.)"""
+"""A job that grows past its starting size, with the job's store on a 3-member etcd cluster: `trainaccel run
+--nnodes MIN:MAX` on nodes 0 to MIN-1, then the last node once they train (rank 0 wrote OUT/grow at step 9): it
+joins at a sync, takes the model from a live replica, the data is split over the workers present, and all end
+equal. `grow`: 3 nodes x 1 worker, a 4th joins; `node_grow`: 2 nodes x 2 workers under node scope, a 3rd joins
+whole. (What cannot grow is refused in one line: tests/launch/test_errors.py.)"""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from trainaccel.bench.stores import EtcdCluster
 
 pytestmark = pytest.mark.multiprocess
 
-FIRST, MOST = 3, 4
 DEADLINE_S = 150
+SHAPES = {"grow": (3, 1), "node_grow": (2, 2)}  # (nodes that start the job, workers per node); one more node joins
+FULL = pytest.mark.resilience_full
 
 
 @pytest.fixture
@@ -29,33 +31,33 @@ def etcd(tmp_path):
     cluster.close()
 
 
-def grow(tmp_path, store: EtcdCluster) -> tuple[list[int | None], list[str]]:
-    """Nodes 0-2 of `--nnodes 3:4`, then node 3 once rank 0 wrote OUT/grow (step 9): each launcher's exit code and
-    output."""
+def grow(tmp_path, store: EtcdCluster, how: str) -> tuple[list[int | None], list[str]]:
+    """The job's first nodes, then its last once rank 0 wrote OUT/grow: each launcher's exit code and output."""
+    first, per_node = SHAPES[how]
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRAINACCEL_")}
-    logs = [tmp_path / f"node{node}.log" for node in range(MOST)]
+    logs = [tmp_path / f"node{node}.log" for node in range(first + 1)]
 
     def start(node: int) -> subprocess.Popen:
         with open(logs[node], "w") as out:
             command = [
                 *trainaccel_cmd(),
-                *["run", "--nnodes", f"{FIRST}:{MOST}", "--node-rank", str(node), "--nproc-per-node", "1"],
-                *["--master-addr", "127.0.0.1", "--master-port", str(port)],
+                *["run", "--nnodes", f"{first}:{first + 1}", "--node-rank", str(node)],
+                *["--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port)],
                 *["--store", store.url, "--rdzv-id", "grows"],
                 *["--sync-every", "4", "--on-lost-replica", "continue"],
-                *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), "grow"],
+                *[str(SCRIPTS / "lost_replica.py"), str(tmp_path), how],
             ]
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
 
-    procs = [start(node) for node in range(FIRST)]
+    procs = [start(node) for node in range(first)]
     tree = ProcessTree([proc.pid for proc in procs])
     began = time.monotonic()
     try:
         while any(proc.poll() is None for proc in procs) and time.monotonic() - began < DEADLINE_S:
             tree.scan()
-            if len(procs) == FIRST and (tmp_path / "grow").exists():
-                procs.append(start(FIRST))
+            if len(procs) == first and (tmp_path / "grow").exists():
+                procs.append(start(first))
                 tree.roots.append(procs[-1].pid)
             time.sleep(0.2)
         codes = [proc.poll() for proc in procs]
@@ -67,19 +69,31 @@ def grow(tmp_path, store: EtcdCluster) -> tuple[list[int | None], list[str]]:
     return codes, [log.read_text() for log in logs[: len(procs)]]
 
 
-def test_a_fourth_node_joins_a_job_of_three_and_every_replica_ends_equal(tmp_path, etcd):
-    codes, outputs = grow(tmp_path, etcd)
-    assert codes == [0] * MOST, (codes, [o[-2000:] for o in outputs])
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(MOST)]
-    assert [r["members"] for r in results] == [[0, 1, 2, 3]] * MOST
-    assert [r["rejoined_at"] for r in results] == [0, 0, 0, 40]  # at the round's end where the others waited for it
+@pytest.mark.parametrize("how", ["grow", pytest.param("node_grow", marks=FULL)])
+def test_a_node_joins_a_running_job_and_every_replica_ends_equal(tmp_path, etcd, how):
+    first, per_node = SHAPES[how]
+    world = (first + 1) * per_node
+    joined = list(range(first * per_node, world))
+    codes, outputs = grow(tmp_path, etcd, how)
+    assert codes == [0] * (first + 1), (codes, [o[-2000:] for o in outputs])
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [r["members"] for r in results] == [list(range(world))] * world
+    # at the round's end where the others waited for it
+    assert [r["rejoined_at"] for r in results] == [40 if r in joined else 0 for r in range(world)]
     assert all(r["params"] == results[0]["params"] for r in results)  # the last sync's mean, the same bits on all
-    assert [r["syncs"] for r in results[:FIRST]] == [12] * FIRST
-    # The data is split over the workers present: 3 at the start (none waits for the 4th), 4 at the end.
-    assert sorted(i for r in results[:FIRST] for i in r["split"]["before"]) == list(range(60))
+    assert [r["syncs"] for r in results] == [12] * world  # a joiner takes the outer state's count
+    # The data is split over the workers present: those of the first nodes at the start (none waits for the last
+    # node), every worker at the end.
+    assert sorted(i for r in results[: first * per_node] for i in r["split"]["before"]) == list(range(60))
     assert sorted(i for r in results for i in r["split"]["after"]) == list(range(60))
     # Its optimizer's momentum is the lowest live replica's at the join, as for a rank started again.
-    assert results[3]["momentum_at_join"] == results[0]["momentum_at_join"]
-    assert "rank 3 takes a free place in a job that grows: this process joins it" in outputs[3], outputs[3][-3000:]
+    assert all(results[r]["momentum_at_join"] == results[0]["momentum_at_join"] for r in joined)
+    said = f"rank {joined[0]} takes a free place in a job that grows: this process joins it"
+    assert said in outputs[first], outputs[first][-3000:]
     # The script's own collective on the default group: refused in one line (the group is a stand-in).
     assert all(r["refused"] and "stand-in" in r["refused"] for r in results), [r["refused"] for r in results]
+    if per_node > 1:  # node scope: a node's workers hold one replica, each node its own, between syncs
+        assert [r["scope"] for r in results] == ["node"] * world
+        live = [r["live"] for r in results]  # after step 46, between the syncs at 44 and 48
+        assert live[0] == live[1] and live[2] == live[3] and live[4] == live[5]
+        assert live[0] != live[2] != live[4] != live[0]

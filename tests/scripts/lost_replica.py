@@ -17,7 +17,8 @@ at step 40 until it has asked to join, so that they are still training when it c
 2's two workers, ranks 4 and 5, rejoin together; the others wait at step 40 for both), `node_agent` (as
 `node_rejoin`, node 2's workers started again by its own `trainaccel run --max-restarts 1`), `grow` (as `rejoin`, in
 a job of 3 nodes that may grow to 4, `--nnodes 3:4`: nobody is lost, rank 0 writes OUT_DIR/grow at step 9 for the
-test to start node 3, whose worker joins as a rank started again does), `horovod` (as
+test to start node 3, whose worker joins as a rank started again does), `node_grow` (as `grow` under node scope: 2
+nodes x 2 workers of `--nnodes 2:3`, node 2's workers, ranks 4 and 5, join together), `horovod` (as
 `zero_code`, the script written for the Horovod API: hvd.DistributedOptimizer takes the launch's options; its
 hvd.allreduce of a loss at step 2 is refused). Under node scope each worker
 also writes its live parameters after step 46, between two syncs: a node's workers hold the same ones. In the rejoin
@@ -46,9 +47,10 @@ from trainaccel.observer import observer_of
 from trainaccel.resilience import failfast, membership
 
 out_dir, how = sys.argv[1], sys.argv[2]
-REJOINS = how in ("rejoin", "agent", "node_rejoin", "node_agent", "first_rejoin", "grow")
+GROWS = how in ("grow", "node_grow")  # a node joins a job that started without it
+REJOINS = how in ("rejoin", "agent", "node_rejoin", "node_agent", "first_rejoin") or GROWS
 STEPS, EVERY, LOSE_AT = (48 if REJOINS or how == "store_lost" else 24), 4, 9
-NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent")
+NODE_SCOPE = how in ("node", "node_freeze", "node_rejoin", "node_agent", "node_grow")
 LOST = 4 if NODE_SCOPE else 0 if how in ("first", "first_rejoin") else 2
 STARTED_AGAIN = (4, 5) if NODE_SCOPE else (3,) if how == "grow" else (LOST,)  # the ranks of the node lost (or new)
 SAMPLES = 60
@@ -78,7 +80,7 @@ model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(DEVICE)
 MOMENTUM = 0.9 if REJOINS else 0.0
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
 if (
-    how in ("zero_code", "first", "first_rejoin", "store_lost", "grow") or NODE_SCOPE
+    how in ("zero_code", "first", "first_rejoin", "store_lost") or GROWS or NODE_SCOPE
 ):  # DDP as the script has it; trainaccel's options make it DiLoCo
     model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
@@ -126,7 +128,7 @@ for step in range(start + 1, STEPS + 1):
         if how in ("first", "first_rejoin"):  # the test then ends the rest of its node (launcher, store member)
             open(os.path.join(out_dir, "lost"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
-    if how == "grow" and rank == 0 and step == LOSE_AT:
+    if GROWS and rank == 0 and step == LOSE_AT:
         open(os.path.join(out_dir, "grow"), "w").close()
     if how == "store_lost":
         time.sleep(0.3)
@@ -162,7 +164,7 @@ if how == "kill" or REJOINS:  # the script's own collective on the default group
         refused = str(e)
 split["after"] = list(sampler)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
-if how in ("zero_code", "first", "first_rejoin", "store_lost", "grow") or NODE_SCOPE:
+if how in ("zero_code", "first", "first_rejoin", "store_lost") or GROWS or NODE_SCOPE:
     diloco = observer_of(model).diloco
 present = diloco.members if how == "horovod" else members(model)  # (the public form, for a script's own use)
 if how != "horovod":  # (hvd.shutdown() destroys it at exit)
