@@ -91,13 +91,20 @@ def prepare_rejoin() -> int:
     if places is not None:  # a job that grows: every worker's default group is a stand-in (see _grow)
         first = _grow(store, rank, world, places)
     if first is not None and rank < first and not _started_before(store, rank, own):
-        # (its peers may beat already: with no real default group, none waits for the others to start)
+        # The job's start (its peers may beat already: with no real default group, none waits for the others): the
+        # later nodes' places are free, written alike by every worker of the first nodes.
+        for place in range(first, world):
+            store.compare_set(failfast.lost_key(place, failfast.job_prefix(own)), "", PLACE_FREE)
         attempt = None
     else:
         attempt = _running_attempt(store, rank, world, own)
     if first is not None and rank >= first and attempt is None:
         attempt = _await_place(store, rank, world, own)
     if attempt is None or not _judged_lost(store, rank, world, failfast.job_prefix(attempt), attempt == own):
+        if first is not None and rank >= first:
+            raise RuntimeError(
+                f"rank {rank} came to join a job that grows, and no worker of the job trains any more: it has ended"
+            )
         if first is not None:
             _start_stand_in_group(store, rank, world)
             refuse_script_collectives(
@@ -149,10 +156,6 @@ def _grow(store: Any, rank: int, world: int, places: tuple[int, int]) -> int:
         )
     first = first_nodes * per_node
     failfast.start_growing(first, [list(range(n * per_node, (n + 1) * per_node)) for n in range(most)])
-    if rank < first and failfast.own_attempt() == 0:  # the job's start: its places are free (written alike by all)
-        prefix = failfast.job_prefix(0)
-        for place in range(first, world):
-            store.compare_set(failfast.lost_key(place, prefix), "", PLACE_FREE)
     return first
 
 
