@@ -441,7 +441,7 @@ def main(args: argparse.Namespace, show: Callable[[dict[str, dict], str, str, di
                 f"{arm}: {sum(len(ends) for ends in s['replicas'])} replica end(s) over {args.repeats} repeat(s), "
                 f"{'all equal' if s['replicas_equal'] else 'NOT equal'}; "
                 f"{s.get('median_wall_seconds', float('nan')):.1f} s from start to end"
-                + (f"; rejoined at step {', '.join(map(str, rejoined))}" if rejoined else "")
+                + (f"; {'re' * (arm not in joins)}joined at step {', '.join(map(str, rejoined))}" if rejoined else "")
                 + (f"; resumed from the checkpoint of step {', '.join(map(str, resumed))}" if resumed else "")
                 + _batches(s["replicas"])
             )
