@@ -17,7 +17,8 @@ import json
 import statistics
 import sys
 
-CEILING, BASELINE, AUTO = "local", "baseline", "auto"
+BASELINE, AUTO = "baseline", "auto"
+CEILINGS = ("node-local", "local")  # a replica per node's ceiling where it ran, else no exchange at all
 GOAL = 0.5  # auto reaches torchft's best loss in at most this share of torchft's time
 # The table's quality mark: plain DDP's loss + 1%, not the bench's own target (its JSON's `tolerance`, 2%)
 TARGET = 0.01
@@ -36,10 +37,14 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(values) if values and all(v is not None for v in values) else None
 
 
+def ceiling_of(arms: dict) -> str | None:
+    return next((name for name in CEILINGS if name in arms), None)
+
+
 def rows(run: dict) -> list[dict]:
     """Per arm: median seconds, seconds to plain DDP's loss + TARGET, final loss, share of the ceiling, MiB sent."""
     arms, steps = run["arms"], run["settings"]["steps"]
-    base = arms.get(BASELINE)
+    base, ceiling = arms.get(BASELINE), ceiling_of(arms)
     found = []
     for name, arm in arms.items():
         row = {
@@ -54,8 +59,8 @@ def rows(run: dict) -> list[dict]:
             row["to_target"], row["reached"] = _median(reached), sum(r is not None for r in reached)
             pairs = zip(arm["curves"], base["curves"], strict=True)
             row["vs_baseline"] = statistics.median(a[-1][2] / b[-1][2] - 1 for a, b in pairs)
-        if CEILING in arms and name != CEILING:
-            pairs = zip(arms[CEILING]["seconds"], arm["seconds"], strict=True)
+        if ceiling is not None and name != ceiling:
+            pairs = zip(arms[ceiling]["seconds"], arm["seconds"], strict=True)
             row["share"] = statistics.median(c / s for c, s in pairs)
         found.append(row)
     return found
@@ -157,9 +162,10 @@ def table(run: dict, named: list[str] = ()) -> str:
             )
             line += f"; auto {verdict} (goal {GOAL}x: {'met' if got['met'] else 'missed'}; {each})"
             own = statistics.median(b for _, b in got["times"])
-            if CEILING in run["arms"] and own and run["arms"][CEILING]["median_seconds"] > GOAL * own:
-                ceiling = run["arms"][CEILING]["median_seconds"] / own
-                line += f"; no arm can meet it: the ceiling's whole run took {ceiling:.2f}x its time"
+            top = ceiling_of(run["arms"])
+            if top is not None and own and run["arms"][top]["median_seconds"] > GOAL * own:
+                share = run["arms"][top]["median_seconds"] / own
+                line += f"; no arm can meet it: the ceiling's whole run took {share:.2f}x its time"
         lines.append(line)
     for mine, theirs in same_pairs(run, list(named)):
         equal, total, worst = bit_for_bit(run, mine, theirs)

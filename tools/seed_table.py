@@ -17,7 +17,8 @@ import statistics
 import sys
 
 SAME = ("task", "steps", "batch_size", "eval_every")  # the settings a baseline's losses depend on
-CEILING, BASELINE = "local", "baseline"
+BASELINE = "baseline"
+CEILINGS = ("node-local", "local")  # a replica per node's ceiling where it ran, else no exchange at all
 
 
 def workers(run: dict) -> str:
@@ -58,12 +59,13 @@ def rows(run: dict, baseline: dict | None = None) -> list[dict]:
         if base is None:
             raise ValueError(f"the baseline run has no {BASELINE!r} arm; its arms: {', '.join(baseline['arms'])}")
     found = []
+    ceiling = next((name for name in CEILINGS if name in arms), None)
     for name, arm in arms.items():
-        if name in (CEILING, BASELINE):
+        if name in (*CEILINGS, BASELINE):
             continue
         row: dict = {"arm": name}
-        if CEILING in arms:
-            row["share"] = [c / s for c, s in zip(arms[CEILING]["seconds"], arm["seconds"], strict=True)]
+        if ceiling is not None:
+            row["share"] = [c / s for c, s in zip(arms[ceiling]["seconds"], arm["seconds"], strict=True)]
         if base is not None:
             mine, theirs = final_losses(arm), final_losses(base)
             if len(theirs) < len(mine):

@@ -104,6 +104,9 @@ def test_summaries_pair_repeats_and_judge_quality_against_plain_ddp():
     assert s["good"]["share_of_ceiling"] == pytest.approx(0.8) and s["baseline"]["share_of_ceiling"] == pytest.approx(
         0.3
     )
+    # Where each node trained alone (node-local), that is the ceiling: the in-node exchange is not the link's cost.
+    s = summarize({**runs, "node-local": [result(4.5, [3.0, 2.5, 2.0])] * 2})
+    assert s["good"]["share_of_ceiling"] == pytest.approx(0.9) and s["node-local"]["keeps_quality"]
 
 
 def test_a_table_without_plain_ddp_shows_no_target_instead_of_failing(capsys):
@@ -128,7 +131,7 @@ def test_only_the_local_arm_exchanges_nothing_not_even_buffers(arm, tmp_path):
         model = DistributedDataParallel(module)
         set_up_arm(model, arm)
         # A broadcast per step is a barrier across the slow link: the ceiling would pay for communication.
-        assert model.broadcast_buffers is (arm != "local")
+        assert model.broadcast_buffers is (arm not in ("local", "node-local"))
     finally:
         model = None
         dist.destroy_process_group()
@@ -139,6 +142,7 @@ def test_bad_arms_are_refused_naming_what_is_accepted():
         parse_arms("baseline,nope", ARMS)
     with pytest.raises(ValueError, match="invalid --arms 'local,local'"):
         parse_arms("local,local", ARMS)
+    assert "node-local" not in parse_arms(None, ARMS)  # where asked: on nodes of one worker it is local
     if not torch.cuda.is_available():
         assert "torch-bf16" not in parse_arms(None, ARMS)
         with pytest.raises(ValueError, match="torch-bf16 needs CUDA and NCCL"):

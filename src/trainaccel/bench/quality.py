@@ -32,7 +32,7 @@ from trainaccel.bench.peers import PEER_ARMS, is_peer_variant, parse_peer_varian
 from trainaccel.bench.plot import ARM_WORDS, plot_quality
 from trainaccel.bench.tasks import TASKS, task_flags
 from trainaccel.bench.train import arm_settings, parse_arms, parse_variant
-from trainaccel.bench.worker import ARMS
+from trainaccel.bench.worker import ARMS, CEILINGS
 from trainaccel.config import Config, ConfigError
 from trainaccel.launch.local import TORCHRUN, TRAINACCEL_RUN, plain_env
 
@@ -268,7 +268,8 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Medians per arm; speedups and shares are paired by repeat, then the median taken."""
-    base, local = runs.get("baseline"), runs.get("local")
+    # The ceiling: one replica per node never syncing across (node-local), where it ran, else no exchange at all.
+    base, local = runs.get("baseline"), runs.get("node-local") or runs.get("local")
     # Each repeat has its own seed: its target is that repeat's plain DDP final loss plus the tolerance.
     targets = [b["final_validation_loss"] * (1 + TOLERANCE) for b in base] if base else None
     summary = {}
@@ -294,7 +295,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             entry["loss_vs_baseline"] = statistics.median(
                 r["final_validation_loss"] / b["final_validation_loss"] - 1 for r, b in zip(results, base)
             )
-            entry["keeps_quality"] = arm == "local" or entry["loss_vs_baseline"] <= TOLERANCE
+            entry["keeps_quality"] = arm in CEILINGS or entry["loss_vs_baseline"] <= TOLERANCE
             entry["target_loss"] = targets
             reached = [time_to(r["curve"], t) for r, t in zip(results, targets)]
             entry["seconds_to_target"] = reached
@@ -321,7 +322,7 @@ def render(summary: dict[str, dict], title: str, metric: str, labels: dict[str, 
     for arm, s in summary.items():
         ratio, share, delta = s.get("speedup"), s.get("share_of_ceiling"), s.get("loss_vs_baseline")
         to_target = s.get("median_seconds_to_target")
-        local = arm == "local"
+        local = arm in CEILINGS
         table.add_row(
             labels.get(arm) or ARM_WORDS.get(arm, arm),
             f"{s['median_seconds']:.1f}",

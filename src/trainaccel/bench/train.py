@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_arms(text: str | None, accepted: tuple[str, ...], what: str = "") -> list[str]:
     """`--arms a,b` -> [a, b], each one of `accepted`, none twice; without the flag, every arm that runs here."""
     if text is None:
-        return [a for a in accepted if a != "torch-bf16" or cuda_available()]
+        # (node-local where asked: on nodes of one worker it is local)
+        return [a for a in accepted if (a != "torch-bf16" or cuda_available()) and a != "node-local"]
     arms = [a.strip() for a in text.split(",") if a.strip()]
     bad = [a for a in arms if a not in accepted]
     if bad or not arms or len(set(arms)) != len(arms):

@@ -3,7 +3,8 @@
 Arms: baseline (plain DDP under torchrun), torch-bf16 and torch-fp16 (DDP with torch's own
 `bf16_compress_hook` / `fp16_compress_hook`: the strongest baseline that needs no trainaccel),
 trainaccel (the same script, under `trainaccel run`), local (no gradient exchange: DDP whose hook
-communicates nothing, the compute-only ceiling).
+communicates nothing, the compute-only ceiling), node-local (gradients averaged within each node only, never across:
+the ceiling of one replica per node, its in-node exchange included).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -29,7 +30,8 @@ from trainaccel.context import current_config
 from trainaccel.monitor.metrics import peak_memory_bytes
 from trainaccel.sharding import ShardedDataParallel
 
-ARMS = ("baseline", "torch-bf16", "torch-fp16", "trainaccel", "local")
+ARMS = ("baseline", "torch-bf16", "torch-fp16", "trainaccel", "local", "node-local")
+CEILINGS = ("local", "node-local")  # no exchange across nodes: what the others' time is a share of
 TORCH_HOOKS = {"torch-bf16": default_hooks.bf16_compress_hook, "torch-fp16": default_hooks.fp16_compress_hook}
 
 
@@ -77,14 +79,24 @@ def set_up_arm(model: DistributedDataParallel, arm: str) -> None:
     if arm == "local":
         model.register_comm_hook(None, no_communication)
         model.broadcast_buffers = False  # no exchange at all: a buffer broadcast per step is a barrier over the link
+    elif arm == "node-local":
+        model.register_comm_hook(node_group(), default_hooks.allreduce_hook)  # torch's own, over the node's workers
+        model.broadcast_buffers = False  # (over the default group: across nodes)
     elif arm in TORCH_HOOKS:
         model.register_comm_hook(None, TORCH_HOOKS[arm])
 
 
+def node_group() -> dist.ProcessGroup:
+    """This worker's node's workers (torchrun gives a node consecutive ranks); every rank builds every node's."""
+    per_node, world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dist.get_world_size()
+    groups = [dist.new_group(list(range(first, first + per_node))) for first in range(0, world, per_node)]
+    return groups[dist.get_rank() // per_node]
+
+
 def sent_per_step(model: DistributedDataParallel, arm: str, sent_before: int, steps: int) -> float | None:
-    """Bytes each worker sent per step: nothing (local), half of every gradient (torch's hooks), or as measured;
-    None for a sharded model, whose gathers and reduce-scatters FSDP2 issues uncounted."""
-    if arm == "local":
+    """Bytes each worker sent per step across nodes: nothing (local, node-local), half of every gradient (torch's
+    hooks), or as measured; None for a sharded model, whose gathers and reduce-scatters FSDP2 issues uncounted."""
+    if arm in CEILINGS:
         return 0.0
     if isinstance(model, ShardedDataParallel):
         return None
