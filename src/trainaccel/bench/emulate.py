@@ -30,7 +30,8 @@ HELP = (
     "emulated cluster on this machine, e.g. nodes=2,procs-per-node=2,link=500mbit (needs root); each worker gets "
     "OMP_NUM_THREADS = cores / all workers unless it is set; node-cpus=C caps each node at C cores (a cgroup each), "
     "so that a lost node's cores do not pass to the others; store=etcd puts the trainaccel arms' store on an etcd "
-    "member in each of nodes 0-2 (then --lose may take node 0, every process in its namespace with it)"
+    "member in each of nodes 0-2, in its network but outside its core cap, its data in memory (then --lose may take "
+    "node 0, every process in its namespace with it)"
 )
 CPU_CGROUPS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup")  # cgroup v1's cpu controller, or v2's unified tree
 CPU_PERIOD_US = 10_000  # a short period: a node out of quota waits at most this long, not the default 100 ms
@@ -208,10 +209,16 @@ class EmulatedCluster:
     def _start_store(self) -> None:
         from trainaccel.bench.stores import EtcdCluster
 
-        scratch = Path(tempfile.mkdtemp(prefix=self.prefix + "etcd-"))
+        # Each member in its node's network (lost with it), but not on its node's capped cores, and its data in
+        # memory: a cluster's etcd has cores and a disk of its own, where here the members' work and every write's
+        # fsync came out of the capped workers' share (a member took a third of a core under 4 nodes' heartbeats).
+        memory = Path("/dev/shm")
+        scratch = Path(tempfile.mkdtemp(prefix=self.prefix + "etcd-", dir=memory if memory.is_dir() else None))
         try:
             self.etcd = EtcdCluster(
-                scratch, hosts=[self.address(k) for k in range(3)], prefixes=[self.exec_prefix(k) for k in range(3)]
+                scratch,
+                hosts=[self.address(k) for k in range(3)],
+                prefixes=[["ip", "netns", "exec", self.nodes[k]] for k in range(3)],
             )
         except RuntimeError as e:
             shutil.rmtree(scratch, ignore_errors=True)
