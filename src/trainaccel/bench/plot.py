@@ -65,7 +65,7 @@ ARM_WORDS = {
     "torch-fp16": "DDP + torch's fp16_compress_hook",
     "torch-bf16": "DDP + torch's bf16_compress_hook",
     "local": "no communication (the ceiling)",
-    "node-local": "each node alone, DDP within it (the ceiling of a replica per node)",
+    "node-local": "no exchange across nodes (a node's ceiling)",
 }
 
 
