@@ -408,6 +408,7 @@ saved = diloco.state_dict()
 resumed = DiLoCo(model, optimizer, sync_every="auto")
 resumed.load_state_dict(saved)
 result = {"intervals": intervals, "peak": saved["auto"]["peak_lr"], "resumed_peak": resumed.outer._auto.peak_lr}
+result.update(rounds=saved["auto"]["rounds"], resumed_rounds=[list(r) for r in resumed.outer._auto.rounds])
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     json.dump(result, f)
 dist.destroy_process_group()
@@ -428,6 +429,8 @@ def test_h_grows_as_the_inner_learning_rate_falls_alike_on_every_rank(tmp_path):
     assert first["intervals"][:12] == [H_CAP] * 12  # at the peak (its drop is read a round after it is measured)
     assert first["intervals"][-1] == quality_cap(4.0) == 8  # rank 1's learning rate fell to a quarter: 4 x 2
     assert first["peak"] == second["peak"] == first["resumed_peak"] == 0.1  # the checkpoint keeps the peak
+    # and the rounds H is re-chosen from: a replica that joins schedules its syncs at the others' steps
+    assert first["rounds"] and first["rounds"] == second["rounds"] == first["resumed_rounds"]
     lines = (proc.stdout + proc.stderr).splitlines()
     said = [line for line in lines if "sync_every=auto: H=8" in line and "from the checkpoint" not in line]
     assert len(said) == 1 and "H capped at 8 for quality, the learning rate 4.00x below its peak" in said[0], said

@@ -570,6 +570,8 @@ class OuterSync:
         auto = self._auto
         saved = state.get("auto") or {"measuring": True}
         auto.measuring, auto.peak_lr = saved["measuring"], saved.get("peak_lr", 0.0)
+        auto.rounds = [tuple(r) for r in saved.get("rounds", [])]  # (a checkpoint from before: none, as then)
+        auto.skip = saved.get("skip", False)
         auto.exchanged[:] = []
         if state["sync_fragments"] != len(self._fragments):
             self._split(state["sync_fragments"])
@@ -900,7 +902,14 @@ class OuterSync:
             "residuals": self._saved_residuals(),
             "scales": dict(getattr(self._codec, "scales", None) or {}),
             "timing": [self._timing[1], self._timing[2], measured],  # auto's measurements so far
-            "auto": {"measuring": self._auto.measuring, "peak_lr": self._auto.peak_lr}
+            # auto's rounds so far and whether it skips the next: a replica that joins (or resumes) chooses H from the
+            # same figures as the others, or its syncs fall at other steps than theirs
+            "auto": {
+                "measuring": self._auto.measuring,
+                "peak_lr": self._auto.peak_lr,
+                "rounds": [list(r) for r in self._auto.rounds],
+                "skip": self._auto.skip,
+            }
             if self._auto is not None
             else None,
         }
