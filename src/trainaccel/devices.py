@@ -70,19 +70,25 @@ def backend_of(group: dist.ProcessGroup | None, device: torch.device) -> str:
     return parts.get(device.type, backend)
 
 
+def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` that hold values (not on the meta device), grouped by dtype in order of first appearance: one flat
+    buffer each for a collective (DDP coalesces so too)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
+    for tensor in tensors:
+        if not tensor.is_meta:
+            groups[tensor.dtype].append(tensor)
+    return list(groups.values())
+
+
 def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
     """`group`'s first rank's values (the job's rank 0 by default) into `tensors` on every rank: one broadcast per
     dtype (DDP coalesces too), on the tensors' device where the group's backend takes it (a GPU module's over NCCL even
     where the group also has Gloo for the CPU), else the group's (a CPU module's cross an NCCL-only group on the GPU).
     Tensors on the meta device hold no values and are left out (the script's own initialisation gives them theirs)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
-    for tensor in tensors:
-        if not tensor.is_meta:
-            by_dtype[tensor.dtype].append(tensor)
     near = next((t.device for t in tensors if not t.is_meta), None)
     device, source = group_device(group, near), dist.get_global_rank(group or dist.group.WORLD, 0)
     with torch.no_grad():
-        for same in by_dtype.values():
+        for same in by_dtype(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in same]).to(device)
             dist.broadcast(flat, src=source, group=group)
             for tensor, value in zip(same, flat.split([t.numel() for t in same])):

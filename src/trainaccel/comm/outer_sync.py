@@ -42,7 +42,7 @@ from trainaccel.comm.scheduler import SYNC, connect, engine_group, sync_thread
 from trainaccel.comm.topology import Topology, discover, hierarchy_for
 from trainaccel.config import Config
 from trainaccel.context import current_config, info_once, note_taken
-from trainaccel.devices import backend_of, broadcast_from_first, group_device
+from trainaccel.devices import backend_of, broadcast_from_first, by_dtype, group_device
 from trainaccel.resilience import failfast
 from trainaccel.resilience.failfast import HANG_MIN_S, hang_deadline
 from trainaccel.resilience.membership import Membership
@@ -639,16 +639,12 @@ class OuterSync:
     def _from_first_member(self, tensors: list[torch.Tensor]) -> None:
         """A job that grows: the lowest member's values in `tensors` on every member, over the members' group (the
         default group is a stand-in, and DDP's broadcast over it sent nothing), on the communication thread."""
-        membership, device = self._membership, self.params[0].device
-        kept = [t for t in tensors if not t.is_meta]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in kept:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        membership, device, groups = self._membership, self.params[0].device, by_dtype(tensors)
 
         def exchange(group: Any, members: int) -> list[torch.Tensor]:
             first = membership.rank == membership.members[0]
             flats = []
-            for same in by_dtype.values():
+            for same in groups:
                 flat = torch.cat([t.detach().reshape(-1) for t in same])
                 if not first:
                     flat.zero_()
@@ -659,7 +655,7 @@ class OuterSync:
         share = functools.partial(membership.run, f"start@{self.steps}", exchange, self._hang_s())
         flats = sync_thread().run(share, device, self._groups())
         with torch.no_grad():
-            for same, flat in zip(by_dtype.values(), flats):
+            for same, flat in zip(groups, flats):
                 for tensor, value in zip(same, flat.split([t.numel() for t in same])):
                     tensor.copy_(value.view_as(tensor))
 

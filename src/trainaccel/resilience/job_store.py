@@ -6,6 +6,7 @@ an etcd cluster (resilience/etcd_store.py), the job's keys under its rendezvous 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -99,15 +100,11 @@ PLACES_KEY = "trainaccel/places"
 
 def note_places(store: Any, first: int, most: int) -> None:
     """A growing job's sizes, in nodes, written once (every launcher writes the same)."""
-    import json
-
     store.compare_set(PLACES_KEY, "", json.dumps({"first": first, "most": most}))
 
 
 def places(store: Any) -> tuple[int, int] | None:
     """(the nodes that start the job, the most that take part) of a job that grows; None: a job of fixed size."""
-    import json
-
     if not store.check([PLACES_KEY]):
         return None
     sizes = json.loads(store.get(PLACES_KEY))

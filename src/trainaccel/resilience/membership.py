@@ -153,10 +153,11 @@ class Membership:
         self._nodes = [sorted(ranks) for ranks in replicas] if replicas else None
         if incarnation() == 0:  # what a rank started again checks before it rejoins (resilience.rejoin)
             self._store.set(replicas_key(), json.dumps(sorted(map(sorted, replicas or []))))
-            mine = sorted(r for r in range(self._world) if self._replica[r] == self._replica[self.rank])
-            if failfast.first_ranks() is not None and len(mine) > 1 and self.replica_group is None:
-                # A job that grows has no real default group: its node's per-step exchange needs a group of its own,
-                # as a node started again gets at its join (built now: every worker of the node wraps its model).
+        if incarnation() == 0 and failfast.first_ranks() is not None and self.replica_group is None:
+            # A job that grows has no real default group: its node's per-step exchange needs a group of its own, as
+            # a node started again gets at its join (built now: every worker of the node wraps its model).
+            mine = [r for r in range(self._world) if self._replica[r] == self._replica[self.rank]]
+            if len(mine) > 1:
                 where = dist.PrefixStore(f"{self._key}groups/start/replica{mine[0]}/", self._store)
                 self.replica_group = self._gloo_group(where, mine)
 

@@ -121,9 +121,8 @@ def prepare_rejoin() -> int:
     prefix = failfast.job_prefix(attempt)
     why = store.get(failfast.lost_key(rank, prefix, failfast.latest_incarnation(store, rank, prefix))).decode()
     number = store.add(failfast.incarnation_key(rank), 1)
-    failfast.become_incarnation(number, replicas)
-    if places is not None:
-        _grow(store, rank, world, places)  # (its nodes: as every worker of the job sees them)
+    # (a job that grows: its nodes as _grow laid them out, as every worker of the job sees them)
+    failfast.become_incarnation(number, replicas if places is None else failfast.job_replicas())
     if why == PLACE_FREE:
         log.warning(
             "rank %d takes a free place in a job that grows: this process joins it; its model and outer state come "
