@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,44 @@ def run_nodes(
         for p in procs:
             p.kill()
     return done
+
+
+def watch_launchers(
+    procs: list[subprocess.Popen], waited: list[subprocess.Popen], deadline_s: float, tick=None, every_s: float = 0.2
+) -> tuple[list[int | None], float]:
+    """Emulated nodes' `trainaccel run` processes, watched until every one in `waited` ended (or `deadline_s`), with
+    `tick(tree)` called at each look (it may kill, start or replace processes in `procs` and `waited`); then every
+    process of theirs is ended, workers too, even orphaned. Returns `procs`' exit codes at the end (None: it was still
+    alive) and when the watch ended (time.monotonic)."""
+    from trainaccel.bench.faults import ProcessTree
+
+    tree = ProcessTree([proc.pid for proc in procs])
+    began = time.monotonic()
+    try:
+        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < deadline_s:
+            tree.scan()
+            if tick is not None:
+                tick(tree)
+                tree.roots.extend(proc.pid for proc in procs if proc.pid not in tree.roots)  # those it started
+            time.sleep(every_s)
+        codes, ended = [proc.poll() for proc in procs], time.monotonic()
+    finally:
+        tree.scan()
+        tree.kill()  # a frozen replica waits for its launcher's watchdog: ended here
+        for proc in procs:
+            proc.wait(timeout=30)
+    return codes, ended
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A 3-member etcd cluster on loopback (without etcd on the PATH it fails naming the package, which
+    tools/install-test-servers installs)."""
+    from trainaccel.bench.stores import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "etcd")
+    yield cluster
+    cluster.close()
 
 
 def worker_loader(dataset, **kwargs):

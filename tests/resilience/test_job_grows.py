@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, trainaccel_cmd
-from trainaccel.bench.faults import ProcessTree
+from conftest import SCRIPTS, free_port, trainaccel_cmd, watch_launchers
 from trainaccel.bench.stores import EtcdCluster
 
 pytestmark = pytest.mark.multiprocess
@@ -22,13 +20,6 @@ pytestmark = pytest.mark.multiprocess
 DEADLINE_S = 150
 SHAPES = {"grow": (3, 1), "node_grow": (2, 2)}  # (nodes that start the job, workers per node); one more node joins
 FULL = pytest.mark.resilience_full
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    cluster = EtcdCluster(tmp_path / "etcd")
-    yield cluster
-    cluster.close()
 
 
 def grow(tmp_path, store: EtcdCluster, how: str) -> tuple[list[int | None], list[str]]:
@@ -51,21 +42,12 @@ def grow(tmp_path, store: EtcdCluster, how: str) -> tuple[list[int | None], list
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
 
     procs = [start(node) for node in range(first)]
-    tree = ProcessTree([proc.pid for proc in procs])
-    began = time.monotonic()
-    try:
-        while any(proc.poll() is None for proc in procs) and time.monotonic() - began < DEADLINE_S:
-            tree.scan()
-            if len(procs) == first and (tmp_path / "grow").exists():
-                procs.append(start(first))
-                tree.roots.append(procs[-1].pid)
-            time.sleep(0.2)
-        codes = [proc.poll() for proc in procs]
-    finally:
-        tree.scan()
-        tree.kill()
-        for proc in procs:
-            proc.wait(timeout=30)
+
+    def join(tree) -> None:
+        if len(procs) == first and (tmp_path / "grow").exists():
+            procs.append(start(first))
+
+    codes, _ = watch_launchers(procs, procs, DEADLINE_S, join)
     return codes, [log.read_text() for log in logs[: len(procs)]]
 
 

@@ -5,12 +5,10 @@ workers under sync_scope=node, node 2's two workers are lost together, and rejoi
 import json
 import os
 import subprocess
-import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, trainaccel_cmd
-from trainaccel.bench.faults import ProcessTree
+from conftest import SCRIPTS, free_port, trainaccel_cmd, watch_launchers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,23 +48,14 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
     procs = [start(node, log) for node, log in enumerate(logs)]
     waited = procs if how in REJOINS else procs[:2]
     results = [tmp_path / f"rank{r}.json" for r in range((NODES if how in REJOINS else 2) * per_node)]
-    tree = ProcessTree([proc.pid for proc in procs])  # the workers too, even orphaned
-    began = time.monotonic()
-    try:
-        # The survivors' launchers end on their own: their exit barrier does not wait for the lost node's agent.
-        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
-            tree.scan()
-            if how in STARTED_AGAIN and procs[2].poll() is not None and len(logs) == NODES:
-                logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
-                procs[2] = start(2, logs[-1])
-                tree.roots.append(procs[2].pid)
-            time.sleep(0.5)
-        codes = [proc.poll() for proc in procs]
-    finally:
-        tree.scan()
-        tree.kill()  # a frozen replica waits for its launcher's watchdog: ended here
-        for proc in procs:
-            proc.wait(timeout=30)
+
+    def again(tree) -> None:
+        if how in STARTED_AGAIN and procs[2].poll() is not None and len(logs) == NODES:
+            logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
+            procs[2] = start(2, logs[-1])
+
+    # The survivors' launchers end on their own: their exit barrier does not wait for the lost node's agent.
+    codes, _ = watch_launchers(procs, waited, DEADLINE_S, again, every_s=0.5)
     outputs = [log.read_text() for log in logs]
     assert all(r.exists() for r in results), "\n".join(o[-3000:] for o in outputs)
     if how in STARTED_AGAIN:

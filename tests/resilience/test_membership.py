@@ -142,6 +142,10 @@ def test_what_would_wait_for_a_lost_replica_at_every_step_is_refused_in_one_line
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # as in a job of two replicas
     with pytest.raises(ValueError, match=r"SyncBatchNorm '1' over ranks \[0, 1\]: .* keep plain BatchNorm"):
         diloco.refuse_what_reaches_other_replicas(synced, "rank")
+    # On a worker whose default group is a stand-in (rejoined, or a growing job's), its groups reduce nothing.
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "fake")
+    with pytest.raises(ValueError, match=r"SyncBatchNorm '1' on a worker whose default group is a stand-in .* plain"):
+        diloco.refuse_what_reaches_other_replicas(synced, "rank")
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import trainaccel
 from conftest import free_port
+from trainaccel.comm.diloco import refuse_what_reaches_other_replicas
 from trainaccel.devices import group_device
 from trainaccel.resilience import failfast, rejoin
 
@@ -49,6 +50,11 @@ def test_a_rank_found_lost_rejoins_with_a_stand_in_group(job_store, lost):
         dist.all_reduce(torch.ones(1))
     with pytest.raises(RuntimeError, match=r"^barrier\(\) on the default group"):
         dist.barrier()
+    # A group the script builds over it is a stand-in too: SyncBatchNorm over one would normalise this worker alone.
+    group = dist.new_group([2])
+    assert dist.get_backend(group) == "fake"
+    with pytest.raises(ValueError, match=r"SyncBatchNorm '' on a worker whose default group is a stand-in"):
+        refuse_what_reaches_other_replicas(torch.nn.SyncBatchNorm(4, process_group=group), "rank")
     dist.destroy_process_group()
     trainaccel.shutdown()
     assert failfast.incarnation() == 0 and dist.init_process_group is init_process_group

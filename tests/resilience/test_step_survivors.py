@@ -5,12 +5,10 @@ it) and end with equal parameters (scripts/step_survivors.py)."""
 import json
 import os
 import subprocess
-import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, trainaccel_cmd
-from trainaccel.bench.faults import ProcessTree
+from conftest import SCRIPTS, free_port, trainaccel_cmd, watch_launchers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,22 +34,13 @@ def launch(tmp_path, how: str) -> tuple[list[dict], list[str], list[int | None]]
 
     procs = [start(node, log) for node, log in enumerate(logs)]
     waited = procs if how == "rejoin" else procs[:2]
-    tree = ProcessTree([proc.pid for proc in procs])
-    began = time.monotonic()
-    try:
-        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
-            tree.scan()
-            if how == "rejoin" and procs[2].poll() is not None and len(logs) == NODES:
-                logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
-                procs[2] = waited[2] = start(2, logs[-1])
-                tree.roots.append(procs[2].pid)
-            time.sleep(0.5)
-        codes = [proc.poll() for proc in procs]
-    finally:
-        tree.scan()
-        tree.kill()
-        for proc in procs:
-            proc.wait(timeout=30)
+
+    def again(tree) -> None:
+        if how == "rejoin" and procs[2].poll() is not None and len(logs) == NODES:
+            logs.append(tmp_path / "node2-again.log")  # its first start ended (its rank was killed): again
+            procs[2] = waited[2] = start(2, logs[-1])
+
+    codes, _ = watch_launchers(procs, waited, DEADLINE_S, again, every_s=0.5)
     outputs = [log.read_text() for log in logs]
     if how == "rejoin":  # node 2's two starts, as one output
         outputs = [*outputs[:2], outputs[2] + outputs[3]]

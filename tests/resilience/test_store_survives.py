@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, trainaccel_cmd
-from trainaccel.bench.faults import ProcessTree
+from conftest import SCRIPTS, free_port, trainaccel_cmd, watch_launchers
 from trainaccel.bench.stores import EtcdCluster
 
 pytestmark = pytest.mark.multiprocess
@@ -46,47 +45,31 @@ def lose_the_first_node(
             return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=base, start_new_session=True)
 
     procs = [start(node) for node in range(NODES)]
-    tree = ProcessTree([proc.pid for proc in procs])
     began, lost_at, again = time.monotonic(), None, how == "first_rejoin"
     waited = procs if how in ("store_lost", "first_rejoin") else procs[1:]
-    try:
-        while any(proc.poll() is None for proc in waited) and time.monotonic() - began < DEADLINE_S:
-            tree.scan()
-            if again and lost_at is not None and not any(node == 0 for _, node in tree.alive()):
-                again = False  # node 0 started again with the job's command, and its store member with it
-                store.start(0)
-                procs[0] = start(0, "a")
-                waited[0] = procs[0]
-                tree.roots.append(procs[0].pid)
-            if lost_at is None and (tmp_path / "lost").exists():
-                lost_at = time.monotonic()
-                if how in ("first", "first_rejoin"):
-                    for pid, node in tree.alive():
-                        if node == 0:
-                            os.kill(pid, 9)
-                    if store is not None:
-                        store.kill(0)
-                else:
-                    store.kill(1)
-                    store.kill(2)
-            time.sleep(0.2)
-        codes = [proc.poll() for proc in procs]
-        ended = time.monotonic() - (lost_at or began)
-    finally:
-        tree.scan()
-        tree.kill()
-        for proc in procs:
-            proc.wait(timeout=30)
+
+    def events(tree) -> None:
+        nonlocal lost_at, again
+        if again and lost_at is not None and not any(node == 0 for _, node in tree.alive()):
+            again = False  # node 0 started again with the job's command, and its store member with it
+            store.start(0)
+            procs[0] = waited[0] = start(0, "a")
+        if lost_at is None and (tmp_path / "lost").exists():
+            lost_at = time.monotonic()
+            if how in ("first", "first_rejoin"):
+                for pid, node in tree.alive():
+                    if node == 0:
+                        os.kill(pid, 9)
+                if store is not None:
+                    store.kill(0)
+            else:
+                store.kill(1)
+                store.kill(2)
+
+    codes, end = watch_launchers(procs, waited, DEADLINE_S, events)
+    ended = end - (lost_at or began)
     assert lost_at is not None, logs[0].read_text()[-3000:]
     return codes, [log.read_text() for log in logs], ended
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    # (without etcd on the PATH, EtcdCluster fails naming the package: tools/install-test-servers installs it)
-    cluster = EtcdCluster(tmp_path / "etcd")
-    yield cluster
-    cluster.close()
 
 
 def test_with_the_store_on_etcd_the_others_outlive_the_first_node_and_end_equal(tmp_path, etcd):

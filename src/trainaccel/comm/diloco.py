@@ -648,6 +648,14 @@ def refuse_what_reaches_other_replicas(model: torch.nn.Module, scope: str, per_s
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.SyncBatchNorm):
             group = module.process_group
+            if dist.get_backend(group) == "fake":
+                # Built over a stand-in default group (a rank started again, or a job that grows): it reduces nothing,
+                # and the layer would normalise over this worker's batch alone where the others normalise over more.
+                raise ValueError(
+                    f"on_lost_replica=continue cannot train SyncBatchNorm {name!r} on a worker whose default group is "
+                    "a stand-in (a rank started again to rejoin, or a job that grows): its group would reduce "
+                    "nothing and it would normalise over this worker alone; keep plain BatchNorm"
+                )
             ranks = set(dist.get_process_group_ranks(group)) if group is not None else set(range(dist.get_world_size()))
             if not ranks <= replica:
                 within = (
