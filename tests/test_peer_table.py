@@ -59,6 +59,8 @@ def test_torchfts_best_is_its_lowest_loss_and_auto_is_timed_to_reach_it():
     # targets 2.05, 2.15, 1.95: auto at 11, 12 (2.15 reached, not passed), 25 s (1.96 is not) against torchft's 80 s
     assert got["times"] == [(11, 80), (12, 80), (25, 80)]
     assert got["ratio"] == pytest.approx(12 / 80) and got["met"]
+    # final losses 2.0, 2.1, 1.9 against 2.05, 2.15, 1.95: the medians' ratio, each repeat below
+    assert got["gap"] == pytest.approx(2.0 / 2.05 - 1) and got["below"] == 3
 
 
 def test_a_goal_no_arm_can_meet_says_so(tmp_path, capsys):

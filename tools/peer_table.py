@@ -92,7 +92,11 @@ def against_best(run: dict, best: str, arm: str = AUTO) -> dict:
         times.append((took, own))
         ratios.append(None if took is None or not own else took / own)
     ratio = _median(ratios)
-    return {"times": times, "ratio": ratio, "met": ratio is not None and ratio <= GOAL}
+    mine_final = [curve[-1][2] for curve in run["arms"][arm]["curves"]]
+    theirs_final = [curve[-1][2] for curve in run["arms"][best]["curves"]]
+    gap = statistics.median(mine_final) / statistics.median(theirs_final) - 1
+    below = sum(m < t for m, t in zip(mine_final, theirs_final, strict=True))
+    return {"times": times, "ratio": ratio, "met": ratio is not None and ratio <= GOAL, "gap": gap, "below": below}
 
 
 def same_pairs(run: dict, named: list[str]) -> list[tuple[str, str]]:
@@ -161,6 +165,9 @@ def table(run: dict, named: list[str] = ()) -> str:
                 else f"reached its loss in {got['ratio']:.2f}x its time"
             )
             line += f"; auto {verdict} (goal {GOAL}x: {'met' if got['met'] else 'missed'}; {each})"
+            line += (
+                f"; auto's median loss {got['gap']:+.1%} against it, below it in {got['below']} of {len(got['times'])}"
+            )
             own = statistics.median(b for _, b in got["times"])
             top = ceiling_of(run["arms"])
             if top is not None and own and run["arms"][top]["median_seconds"] > GOAL * own:
