@@ -37,6 +37,10 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(values) if values and all(v is not None for v in values) else None
 
 
+def median_final_loss(arm: dict) -> float:
+    return statistics.median(curve[-1][2] for curve in arm["curves"])
+
+
 def ceiling_of(arms: dict) -> str | None:
     return next((name for name in CEILINGS if name in arms), None)
 
@@ -50,7 +54,7 @@ def rows(run: dict) -> list[dict]:
         row = {
             "arm": name,
             "seconds": arm["median_seconds"],
-            "loss": statistics.median(curve[-1][2] for curve in arm["curves"]),
+            "loss": median_final_loss(arm),
             "mib": None if arm.get("bytes_per_step") is None else arm["bytes_per_step"] * steps / 2**20,
         }
         if base is not None:
@@ -71,7 +75,7 @@ def best_torchft(run: dict) -> str:
     peers = [name for name in run["arms"] if is_torchft(name)]
     if not peers:
         raise ValueError(f"the run has no torchft arm; its arms: {', '.join(run['arms'])}")
-    return min(peers, key=lambda name: statistics.median(c[-1][2] for c in run["arms"][name]["curves"]))
+    return min(peers, key=lambda name: median_final_loss(run["arms"][name]))
 
 
 def fastest_torchft(found: list[dict]) -> str | None:
@@ -85,17 +89,15 @@ def against_best(run: dict, best: str, arm: str = AUTO) -> dict:
     """`arm`'s seconds to reach `best`'s final loss of the same repeat against `best`'s own seconds to it."""
     if arm not in run["arms"]:
         raise ValueError(f"the run has no {arm!r} arm; its arms: {', '.join(run['arms'])}")
-    ratios, times = [], []
+    ratios, times, below = [], [], 0
     for mine, theirs in zip(run["arms"][arm]["curves"], run["arms"][best]["curves"], strict=True):
         target = theirs[-1][2]
         took, own = time_to(mine, target), time_to(theirs, target)
         times.append((took, own))
         ratios.append(None if took is None or not own else took / own)
+        below += mine[-1][2] < target
     ratio = _median(ratios)
-    mine_final = [curve[-1][2] for curve in run["arms"][arm]["curves"]]
-    theirs_final = [curve[-1][2] for curve in run["arms"][best]["curves"]]
-    gap = statistics.median(mine_final) / statistics.median(theirs_final) - 1
-    below = sum(m < t for m, t in zip(mine_final, theirs_final, strict=True))
+    gap = median_final_loss(run["arms"][arm]) / median_final_loss(run["arms"][best]) - 1
     return {"times": times, "ratio": ratio, "met": ratio is not None and ratio <= GOAL, "gap": gap, "below": below}
 
 
