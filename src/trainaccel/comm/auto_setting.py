@@ -52,6 +52,12 @@ ROUNDS = 5  # rounds whose figures' medians re-choose H
 SHARE = 0.1  # the syncs' largest share of the time (the 90%-of-the-ceiling mark) that sets H below its cap
 H_CAP = 4  # the longest interval auto picks at the peak learning rate: quality falls with longer ones
 H_MOST = 500  # the longest interval auto ever picks, however low the learning rate
+# The noise gauge reads a sync's change at every k-th element, this many at most (256 KiB of float32 per fragment).
+GAUGE_ELEMENTS = 2**16
+# Rounds whose spread and mean change the gauge sums (48 steps at H=4: per 30 steps the ratio swung 2x on the text
+# task). Measured and said, not yet acted on: at a fixed H it falls as the batch grows, as the interval quality allows
+# does, and rises as the learning rate falls.
+GAUGE_ROUNDS = 12
 MAX_FRAGMENTS = 4
 CODECS = ("none", "bf16", "int8", "fp4")  # least lossy first
 # The options auto picks where they are left at their defaults (Config's), and their defaults.

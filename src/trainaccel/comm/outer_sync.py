@@ -72,6 +72,8 @@ class _Fragment:
         "syncs: pinned host memory is slow to allocate); None until the first",
         "residual_before": "while an overlapped sync is in flight: the codec's residuals from before its encode (what "
         "a checkpoint saves, with the anchors that do not hold it yet; None: there was none)",
+        "gauged": "while auto's sync is in flight: (this replica's change at every `stride`-th element, stride, "
+        "replicas), for `_Auto.noise` (None otherwise)",
     }
 
     def __init__(self, index: int, params: list[torch.Tensor], buffers: list[torch.Tensor]):
@@ -82,6 +84,7 @@ class _Fragment:
         self.pending: tuple[int, torch.futures.Future, torch.Tensor | None] | None = None
         self.residual_before: dict[Any, torch.Tensor] | None = None
         self.snapshot: torch.Tensor | None = None
+        self.gauged: tuple[torch.Tensor, int, int] | None = None
 
     @property
     def key(self) -> str:
@@ -106,6 +109,11 @@ class _Auto:
         "stream that ran it: on a GPU the host's clock would time the queueing, not the transfer",
         "rounds": "the last rounds' (step, exchanged) seconds as every rank shares them: their medians re-choose H",
         "skip": "the round after the first choice is not measured: its syncs' exchanges finish in the next one",
+        "noise": "since the last round's end, this rank's sums over syncs of the replicas' spread (the variance of a "
+        "replica's change about the mean, V) and of the squared mean change (|D|^2), a float64 pair on the device "
+        "(None: no sync yet; `noise_figures`)",
+        "gauged": "the last GAUGE_ROUNDS rounds' (H, V, |D|^2), V and |D|^2 summed over every rank: the same on "
+        "every rank; `noise_ratio` reads them",
         "peak_lr": "the highest learning rate the inner optimizers had at a round's end (0: none known yet); the "
         "interval's cap grows as the learning rate falls below it (auto_setting.quality_cap)",
     }
@@ -119,6 +127,8 @@ class _Auto:
         self.rounds: list[tuple[float, float]] = []
         self.skip = False
         self.peak_lr = 0.0
+        self.noise: torch.Tensor | None = None
+        self.gauged: list[tuple[float, float, float]] = []
 
     def lr_drop(self, learning_rate: float | None) -> float:
         """The peak learning rate over `learning_rate` (the inner optimizers' now; None: unknown, taken as the peak),
@@ -163,6 +173,21 @@ class _Auto:
                 total += took
         self.exchanged[:] = pending
         return total
+
+    def gauge(self, figures: torch.Tensor) -> None:
+        """Add a sync's (V, |D|^2) (`noise_figures`) to `noise`."""
+        self.noise = figures if self.noise is None else self.noise + figures
+
+    def take_noise(self, device: torch.device) -> torch.Tensor:
+        """This rank's (V, |D|^2) sums since the last round's end, on `device`, and start again from zero."""
+        noise, self.noise = self.noise, None
+        return torch.zeros(2, dtype=torch.float64, device=device) if noise is None else noise.to(device)
+
+    def noise_ratio(self) -> float | None:
+        """The replicas' spread over the mean change's square, V / |D|^2, over the rounds in `gauged` (None: none
+        measured yet). Over a sync's change it rises where the inner steps' noise dominates their direction."""
+        spread, signal = sum(r[1] for r in self.gauged), sum(r[2] for r in self.gauged)
+        return spread / signal if signal > 0 else None
 
     def say(self, setting: auto_setting.Setting) -> None:
         self.setting = setting
@@ -473,12 +498,15 @@ class OuterSync:
         group = self._engine_group
         # The least drop of any rank's learning rate from its peak: every rank caps H alike.
         drop = auto.lr_drop(self.learning_rate() if self.learning_rate is not None else None)
-        measured = torch.tensor([step_s, -exchanged, -drop], dtype=torch.float64, device=group_device(group))
+        figures = [step_s, -exchanged, -drop, self.interval]
+        measured = torch.tensor(figures, dtype=torch.float64, device=group_device(group))
+        noise = auto.take_noise(measured.device)
 
         def slowest_over(group: Any, members: int = 0) -> torch.Tensor:
-            mine = measured.clone()  # each try of the membership's from the same figures
+            mine, spread = measured.clone(), noise.clone()  # each try of the membership's from the same figures
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-            return mine
+            dist.all_reduce(spread, group=group)  # the noise gauge's sums over every rank
+            return torch.cat([mine, spread])
 
         if self._membership is not None:  # over the members present, decided alike as a sync is
             slowest = functools.partial(self._membership.run, f"auto@{self.steps}", slowest_over, self._hang_s())
@@ -486,7 +514,7 @@ class OuterSync:
             slowest = functools.partial(slowest_over, group)
         previous, self._measured = self._measured, sync_thread().submit(slowest, measured.device, self._groups())
         if auto.measuring:  # its syncs waited for their exchanges: nothing in flight, the ranks together
-            step_s, least, drop = self._measured.wait().tolist()
+            step_s, least, drop, _, *_ = self._measured.wait().tolist()
             sync_thread().waited(self._measured)
             self._measured = None
             replicas = len(self.members)
@@ -506,12 +534,17 @@ class OuterSync:
             return
         if previous is None:
             return
-        step_s, least, drop = previous.wait().tolist()
+        step_s, least, drop, interval, spread, signal = previous.wait().tolist()
         auto.rounds = [*auto.rounds[1 - auto_setting.ROUNDS :], (step_s, max(0.0, -least))]
+        auto.gauged = [*auto.gauged[1 - auto_setting.GAUGE_ROUNDS :], (interval, spread, signal)]
         steps, exchanges = zip(*auto.rounds)
         median_step, median_exchanged = statistics.median(steps), statistics.median(exchanges)
         setting = auto_setting.rechoose(auto.setting, median_step, median_exchanged, -drop)
         if setting.interval != self.interval:
+            ratio = auto.noise_ratio()
+            if ratio is not None:  # (measured, not yet a reason: see auto_setting.GAUGE_ROUNDS)
+                why = f"{setting.why}; the replicas' spread {ratio:.2f}x their mean change's square"
+                setting = dataclasses.replace(setting, why=why)
             self.interval = setting.interval
             auto.say(setting)
 
@@ -571,6 +604,9 @@ class OuterSync:
         saved = state.get("auto") or {"measuring": True}
         auto.measuring, auto.peak_lr = saved["measuring"], saved.get("peak_lr", 0.0)
         auto.rounds = [tuple(r) for r in saved.get("rounds", [])]  # (a checkpoint from before: none, as then)
+        auto.gauged = [tuple(r) for r in saved.get("gauged", [])]
+        noise = saved.get("noise")
+        auto.noise = torch.tensor(noise, dtype=torch.float64, device=self.params[0].device) if noise else None
         auto.skip = saved.get("skip", False)
         auto.exchanged[:] = []
         if state["sync_fragments"] != len(self._fragments):
@@ -697,6 +733,12 @@ class OuterSync:
                 snapshot = fragment.snapshot = _snapshot(fragment.snapshot, [*fragment.params, *fragment.buffers])
         if buffers is not None:
             buffers.div_(world)
+        if outer and self._auto is not None:  # the noise gauge: this replica's change, undivided, sampled
+            stride = -(-change.numel() // auto_setting.GAUGE_ELEMENTS)
+            if self._membership is not None:  # the replicas present (nodes under node scope)
+                membership = self._membership
+                replicas = len(membership.nodes if membership.across is not None else membership.members)
+            fragment.gauged = (change[::stride] * (1 if self._membership is not None else replicas), stride, replicas)
         name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
         average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
@@ -778,6 +820,9 @@ class OuterSync:
         self.bytes_sent += sent
         if self.nan_check != "off":
             self._check_finite(fragment, mean, buffers)
+        if fragment.gauged is not None:
+            self._auto.gauge(noise_figures(*fragment.gauged, mean))
+            fragment.gauged = None
         with torch.no_grad():
             means = mean.split([a.numel() for a in fragment.anchors])
             if outer:  # the new anchors: the outer step on the mean change (average: the mean of the replicas)
@@ -904,6 +949,8 @@ class OuterSync:
                 "measuring": self._auto.measuring,
                 "peak_lr": self._auto.peak_lr,
                 "rounds": [list(r) for r in self._auto.rounds],
+                "gauged": [list(r) for r in self._auto.gauged],
+                "noise": self._auto.noise.tolist() if self._auto.noise is not None else None,
                 "skip": self._auto.skip,
             }
             if self._auto is not None
@@ -941,7 +988,7 @@ class OuterSync:
         for fragment in self._fragments:  # every rank started these exchanges: waited for, their results dropped
             if fragment.pending is not None:
                 fragment.pending[1].wait()
-                fragment.pending = fragment.residual_before = None
+                fragment.pending = fragment.residual_before = fragment.gauged = None
         if self._auto is not None:
             self._resume_auto(state)
         self.steps, self.synced_at, self.syncs = state["steps"], state["synced_at"], state["syncs"]
@@ -953,7 +1000,8 @@ class OuterSync:
         self._measured = None
         if measured is not None:
             self._measured = torch.futures.Future()
-            measured = [*measured, -1.0][:3]  # a checkpoint from before the learning rate's drop was measured: none
+            if len(measured) < 6:  # a checkpoint from before the learning rate's drop or the noise was measured
+                measured = [*measured[:2], *(measured[2:3] or [-1.0]), state["interval"], 0.0, 0.0]
             self._measured.set_result(torch.tensor(measured, dtype=torch.float64))
         if state["anchors"] is None:
             for fragment in self._fragments:
@@ -987,6 +1035,20 @@ SYNC_PIECE_MB = 4.0
 # flight), not replicas x the fragment's. Summable codecs go whole; a fragment of one piece keeps its residual under
 # its own key, pieces under (key, piece).
 GATHER_PIECE_ELEMENTS = 4 * 2**20
+
+
+def noise_figures(mine: torch.Tensor, stride: int, replicas: int, mean: torch.Tensor) -> torch.Tensor:
+    """A sync's (V, |D|^2) from `mine`, one replica's change at every `stride`-th element, and `mean`, the mean change
+    of `replicas` replicas (all of it): the variance of a replica's change about the mean and the mean's square, a
+    float64 pair on `mine`'s device (zeros from one replica)."""
+    if replicas < 2:
+        return torch.zeros(2, dtype=torch.float64, device=mine.device)
+    with torch.no_grad():
+        theirs = mean[::stride].to(mine.device, torch.float32)
+        both = torch.stack([mine.dot(mine), mine.dot(theirs)]).double()
+        # E|mine|^2 = |D|^2 + V and E[mine . mean] = |D|^2 + V / n (the codec's error is not in mine): V and |D|^2.
+        spread = (both[0] - both[1]) * (replicas / (replicas - 1))
+        return torch.stack([spread, both[1] - spread / replicas])
 
 
 def _flat_exchange(
