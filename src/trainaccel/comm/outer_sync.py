@@ -179,9 +179,10 @@ class _Auto:
         self.noise = figures if self.noise is None else self.noise + figures
 
     def take_noise(self, device: torch.device) -> torch.Tensor:
-        """This rank's (V, |D|^2) sums since the last round's end, on `device`, and start again from zero."""
+        """This rank's (V, |D|^2) sums since the last round's end (on the parameters' device; zeros on `device` where
+        there was no sync), and start again from zero."""
         noise, self.noise = self.noise, None
-        return torch.zeros(2, dtype=torch.float64, device=device) if noise is None else noise.to(device)
+        return torch.zeros(2, dtype=torch.float64, device=device) if noise is None else noise
 
     def noise_ratio(self) -> float | None:
         """The replicas' spread over the mean change's square, V / |D|^2, over the rounds in `gauged` (None: none
@@ -503,7 +504,9 @@ class OuterSync:
         noise = auto.take_noise(measured.device)
 
         def slowest_over(group: Any, members: int = 0) -> torch.Tensor:
-            mine, spread = measured.clone(), noise.clone()  # each try of the membership's from the same figures
+            # Each try of the membership's from the same figures; the noise copied to the group's device here, on
+            # the communication thread, so the training thread does not wait for the device's work to read it.
+            mine, spread = measured.clone(), noise.to(measured.device, copy=True)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(spread, group=group)  # the noise gauge's sums over every rank
             return torch.cat([mine, spread])
@@ -514,7 +517,7 @@ class OuterSync:
             slowest = functools.partial(slowest_over, group)
         previous, self._measured = self._measured, sync_thread().submit(slowest, measured.device, self._groups())
         if auto.measuring:  # its syncs waited for their exchanges: nothing in flight, the ranks together
-            step_s, least, drop, _, *_ = self._measured.wait().tolist()
+            step_s, least, drop, *_ = self._measured.wait().tolist()
             sync_thread().waited(self._measured)
             self._measured = None
             replicas = len(self.members)
@@ -735,10 +738,11 @@ class OuterSync:
             buffers.div_(world)
         if outer and self._auto is not None:  # the noise gauge: this replica's change, undivided, sampled
             stride = -(-change.numel() // auto_setting.GAUGE_ELEMENTS)
+            mine = change[::stride] * replicas
             if self._membership is not None:  # the replicas present (nodes under node scope)
                 membership = self._membership
                 replicas = len(membership.nodes if membership.across is not None else membership.members)
-            fragment.gauged = (change[::stride] * (1 if self._membership is not None else replicas), stride, replicas)
+            fragment.gauged = (mine, stride, replicas)
         name = f"{fragment.key}@{self.steps}{'' if outer else '-mean'}"  # the same on every member
         average = self._exchange(fragment.key, change, buffers, name, timed=outer and self._auto is not None)
         if overlapped and self._feedback is not None:  # a checkpoint meanwhile saves it (the encode may run before)
