@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +18,6 @@ from trainaccel.launch.torchrun import TORCHRUN
 
 __all__ = ["TORCHRUN", "TRAINACCEL_RUN", "plain_env", "run_job", "run_together"]
 TRAINACCEL_RUN = [sys.executable, "-m", "trainaccel.launch"]
-STOP_GRACE_S = 10.0  # how long a stopped launcher has to stop its workers before SIGKILL
 
 
 def plain_env() -> dict[str, str]:
@@ -29,26 +28,21 @@ def plain_env() -> dict[str, str]:
 def run_job(name: str, command: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
     """Run `command` to completion; return the JSON it left in `out`, or raise with its output's tail.
 
-    Interrupted (Ctrl-C, or SIGTERM turned into one), it stops the command's process group as `stop` does: a launcher
-    gets SIGTERM and the time to stop its workers (torchrun starts them in sessions of their own, so SIGKILL, as
-    `subprocess.run` sends, would leave them running)."""
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate()
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:  # reading on, so that a launcher reporting as it stops does not block on a full pipe
-            proc.communicate(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        raise
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((stdout + stderr).splitlines()[-30:])
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{tail}")
+    Interrupted (Ctrl-C, or SIGTERM turned into one), it `stop`s the command's process group: a launcher gets SIGTERM
+    and the time to stop its workers (torchrun starts them in sessions of their own, so SIGKILL, as `subprocess.run`
+    sends, would leave them running)."""
+    # Output to a file, not a pipe: a launcher reporting as it stops cannot block on one nobody reads.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait()
+        except BaseException:
+            stop([proc])
+            raise
+        if proc.returncode != 0 or not out.exists():
+            log.seek(0)
+            tail = "\n".join(log.read().splitlines()[-30:])
+            raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{tail}")
     return json.loads(out.read_text())
 
 
@@ -115,7 +109,7 @@ def run_together(
                 f.close()
 
 
-def stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+def stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """SIGTERM each process group still running, SIGKILL what is left after `grace_s`."""
     for p in procs:
         if p.poll() is None:
