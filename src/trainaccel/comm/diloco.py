@@ -50,15 +50,33 @@ from trainaccel.context import info_once, warn_once
 from trainaccel.observer import OwnHook, observer_of, watch_optimizer_steps, wrapper_chain
 from trainaccel.resilience import failfast, membership
 
-# What the one-time warning says each scope was measured to cost: 300 steps, AdamW, 2 nodes x 2 workers, median of 3
-# seeds (docs/results.md#one-replica-per-node-and-the-two-level-allreduce).
-_MEASURED = {
-    "node": "each node's replica steps on its own workers' gradients between syncs. Measured on a short run (300 "
-    "steps, 2 nodes x 2 workers, AdamW: docs/results.md) it ended 0.2-0.4% above plain DDP's validation loss "
-    "syncing every 2 steps (median of 3 seeds), 0.7% every 4 after 30 warm-up steps",
-    "rank": "each worker steps on its own gradients between syncs. Measured on a short run (300 steps, 2 nodes x 2 "
-    "workers, AdamW: docs/results.md) it ended 1.8% above plain DDP's validation loss syncing every 2 steps (median "
-    "of 3 seeds), where one replica per node (sync_scope=node on several nodes) ended 0.2-0.4% above it",
+# What the one-time warning says each scope was measured to cost: `sync_every=auto` on the text task (300 steps,
+# AdamW), medians of 10 seeds at 500 and 100 Mbit/s, % above plain DDP's validation loss, by examples per worker
+# (docs/results.md#syncing-every-few-steps-at-500-and-100-mbits; a test holds these to that table). The cost grows
+# with a replica's batch, which the engine cannot see, so the warning quotes every batch measured.
+AUTO_COST = {
+    "node": {4: (1.3, 1.4), 16: (5.6, 5.8)},  # 2 nodes x 2 workers, a replica per node
+    "rank": {4: (0.0, 0.2), 8: (1.0, 1.1), 16: (3.0, 3.5)},  # 2 single-worker nodes
+}
+
+
+def _cost(scope: str) -> str:
+    """AUTO_COST[scope] in words: "0.0-0.2% ... at 4 examples per worker, 1.0-1.1% at 8 and ..."."""
+    said = [f"{lo:.1f}%" if lo == hi else f"{lo:.1f}-{hi:.1f}%" for lo, hi in AUTO_COST[scope].values()]
+    batches = list(AUTO_COST[scope])
+    parts = [f"{said[0]} above plain DDP's validation loss at {batches[0]} examples per worker"]
+    parts += [f"{cost} at {batch}" for cost, batch in zip(said[1:], batches[1:])]
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
+MEASURED = {
+    "node": "each node's replica steps on its own workers' gradients between syncs. Measured on a small language "
+    f"model (300 steps, AdamW, 2 nodes x 2 workers, median of 10 seeds: docs/results.md), sync_every=auto ended "
+    f"{_cost('node')}: the larger a replica's batch, the more syncing every few steps costs",
+    "rank": "each worker steps on its own gradients between syncs. Measured on a small language model (300 steps, "
+    f"AdamW, 2 single-worker nodes, median of 10 seeds: docs/results.md), sync_every=auto ended {_cost('rank')}; "
+    "on nodes of several workers a replica per worker costs more than one per node (2 nodes x 2 workers, every 2 "
+    "steps: 1.8% against 0.2-0.4%, median of 3 seeds)",
 }
 # index -> instance, in creation order (the same on every rank); each lives as long as its module (its hooks hold it)
 _live: weakref.WeakValueDictionary[int, DiLoCo] = weakref.WeakValueDictionary()
@@ -160,7 +178,7 @@ class DiLoCo:
         _install()
         _live[self.index] = self
         warn_once(
-            f"sync_every={self.sync_every} changes what is trained, not only how fast: {_MEASURED[scope]}; "
+            f"sync_every={self.sync_every} changes what is trained, not only how fast: {MEASURED[scope]}; "
             "measure it on your task (trainaccel bench quality) before relying on it"
         )
         streaming = ""
@@ -213,7 +231,7 @@ class DiLoCo:
             warn_once(
                 f"sync_scope=node averages gradients within each node through a communication hook of its own, "
                 f"and the script registered {existing}: every worker is a replica of its own (sync_scope=rank), "
-                f"so the figures quoted when it started do not hold; {_MEASURED['rank']}"
+                f"so the figures quoted when it started do not hold; {MEASURED['rank']}"
             )
             self._in_node = None
             self.outer.use_scope("rank", hierarchical)
