@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import free_port
+from trainaccel.launch.watchdog import process_stat
 
 # A worker that says its pid, then trains "forever" (far longer than the test waits).
 WORKER = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)"
@@ -27,12 +28,8 @@ with sigterm_as_interrupt():
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie awaiting its parent has ended
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    stat = process_stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie awaiting its parent has ended
 
 
 @pytest.mark.multiprocess
